@@ -1,0 +1,36 @@
+"""asyncrunner: run grid2op episodes concurrently from asyncio.
+
+    async with AsyncRunner(env, agent=DoNothingAgent, workers=2) as runner:
+        results = await runner.run(nb_episode=4, path_save="runs/demo", pbar=True)
+"""
+
+from __future__ import annotations
+
+from ._events import (
+    EpisodeFailed,
+    EpisodeFinished,
+    EpisodeStarted,
+    Event,
+    RunFinished,
+    RunStarted,
+    StepBatch,
+)
+from ._exceptions import AsyncRunnerError, EpisodeError, SinkError, WorkerChannelError
+from ._results import EpisodeResult
+from ._runner import AsyncRunner
+
+__all__ = [
+    "AsyncRunner",
+    "AsyncRunnerError",
+    "EpisodeError",
+    "EpisodeFailed",
+    "EpisodeFinished",
+    "EpisodeResult",
+    "EpisodeStarted",
+    "Event",
+    "RunFinished",
+    "RunStarted",
+    "SinkError",
+    "StepBatch",
+    "WorkerChannelError",
+]

@@ -1,0 +1,128 @@
+"""The events a run emits, in the order a sink sees them.
+
+``RunStarted``, then for each episode ``EpisodeStarted``, any number of ``StepBatch`` and one of
+``EpisodeFinished`` / ``EpisodeFailed``, then ``RunFinished``. Events of different episodes interleave.
+A worker that dies mid-episode yields ``EpisodeFailed(retrying=True)`` and the episode starts again
+with ``attempt + 1``: sinks drop what they hold for the failed attempt.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ._results import EpisodeResult
+
+__all__ = [
+    "EpisodeFailed",
+    "EpisodeFinished",
+    "EpisodeStarted",
+    "Event",
+    "RunFinished",
+    "RunStarted",
+    "StepBatch",
+]
+
+
+@dataclass(frozen=True)
+class RunStarted:
+    """A run begins: how many episodes, and the env's spaces (grid2op's ``dict_*_space.json``)."""
+
+    run_id: str
+    nb_episode: int
+    spaces: Mapping[str, Any] = field(repr=False)
+
+
+@dataclass(frozen=True)
+class EpisodeStarted:
+    """An episode was reset in a worker; ``observation`` is the first observation as a vector."""
+
+    run_id: str
+    index: int
+    attempt: int
+    chronics_path: str
+    name: str
+    max_ts: int
+    env_seed: int | None
+    agent_seed: int | None
+    worker: int
+    observation: np.ndarray = field(repr=False)
+    parameters: Mapping[str, Any] = field(repr=False)
+    meta: Mapping[str, Any] = field(repr=False)
+    other_reward_names: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class StepBatch:
+    """Consecutive steps ``first_step .. first_step + len(self) - 1`` (1-based) of one episode.
+
+    Arrays hold one row per step, with the dtypes grid2op's EpisodeData stores.
+    """
+
+    run_id: str
+    index: int
+    attempt: int
+    first_step: int
+    actions: np.ndarray = field(repr=False)
+    env_actions: np.ndarray = field(repr=False)
+    observations: np.ndarray = field(repr=False)
+    rewards: np.ndarray = field(repr=False)
+    done: np.ndarray = field(repr=False)
+    disc_lines: np.ndarray = field(repr=False)
+    attacks: np.ndarray = field(repr=False)
+    legal: np.ndarray = field(repr=False)
+    ambiguous: np.ndarray = field(repr=False)
+    agent_times: np.ndarray = field(repr=False)
+    other_rewards: np.ndarray = field(repr=False)
+
+    def __len__(self) -> int:
+        return int(self.rewards.shape[0])
+
+
+@dataclass(frozen=True)
+class EpisodeFinished:
+    """An episode ended (game over or end of its chronic); ``times`` as grid2op's ``episode_times.json``."""
+
+    run_id: str
+    index: int
+    attempt: int
+    chronics_path: str
+    name: str
+    cum_reward: float
+    nb_time_step: int
+    max_ts: int
+    env_seed: int | None
+    agent_seed: int | None
+    nb_highres_sim: int
+    times: Mapping[str, Any] = field(repr=False)
+
+
+@dataclass(frozen=True)
+class EpisodeFailed:
+    """An episode failed: an exception in the agent or env, or a worker that died.
+
+    ``retrying`` says the episode will start again on another attempt.
+    """
+
+    run_id: str
+    index: int
+    attempt: int
+    error_type: str
+    message: str
+    traceback: str
+    step: int
+    retrying: bool = False
+
+
+@dataclass(frozen=True)
+class RunFinished:
+    """A run ended; ``results`` in request order (episodes not played are absent)."""
+
+    run_id: str
+    results: tuple[EpisodeResult, ...] = field(repr=False)
+
+
+Event = RunStarted | EpisodeStarted | StepBatch | EpisodeFinished | EpisodeFailed | RunFinished

@@ -1,0 +1,252 @@
+"""One run: hands episode requests to free workers, collects their events, fans them out to sinks.
+
+Task layout (all inside ``execute``)::
+
+    channel listener ── inbox ──> collector (this task) ──> one bounded stream per sink ──> sink task
+    dispatcher × workers: take the next request, call the worker, wait for its terminal event
+
+Episodes are handed out one at a time: a dispatcher that finishes takes the next request.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Awaitable, Callable, Sequence
+from contextlib import nullcontext
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any, Literal
+
+import anyio
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+
+from ._channel import Channel, open_channel
+from ._events import (
+    EpisodeFailed,
+    EpisodeFinished,
+    EpisodeStarted,
+    Event,
+    RunFinished,
+    RunStarted,
+    StepBatch,
+)
+from ._exceptions import EpisodeError, SinkError
+from ._plan import EpisodeRequest
+from ._results import EpisodeResult
+from ._worker import EpisodeJob, run_episode
+from .sinks._base import Sink
+
+if TYPE_CHECKING:
+    from ._runner import AsyncRunner
+
+__all__ = ["Run"]
+
+# Events a sink may have waiting before the run waits for it (backpressure).
+SINK_BUFFER = 32
+# Errors of the dispatch machinery that mean "the worker process is gone": retried.
+_WORKER_DIED = ("BrokenWorkerProcess", "BrokenProcessPool", "ChannelClosed", "KilledWorker")
+
+
+class Run:
+    """The state of one ``run()`` / ``stream()`` call."""
+
+    def __init__(
+        self,
+        runner: AsyncRunner,
+        requests: Sequence[EpisodeRequest],
+        *,
+        sinks: Sequence[Sink],
+        on_error: Literal["raise", "continue"],
+        retries: int,
+        episode_timeout: float | None,
+        detail: bool,
+        skipped: Sequence[EpisodeResult] = (),
+    ) -> None:
+        self.runner = runner
+        self.requests = list(requests)
+        self._by_index = {r.index: r for r in self.requests}
+        self.sinks = list(sinks)
+        self.on_error = on_error
+        self.retries = retries
+        self.episode_timeout = episode_timeout
+        self.detail = detail
+        self.run_id = secrets.token_hex(6)
+        self.results: dict[int, EpisodeResult] = {r.index: r for r in skipped}
+        self.failure: EpisodeFailed | None = None
+        self._terminal: dict[tuple[int, int], anyio.Event] = {}
+        self._closed: set[tuple[int, int]] = set()
+        self._last_step: dict[int, int] = {}
+        self._remaining = len(self.requests)
+
+    async def execute(
+        self, out: MemoryObjectSendStream[Event] | None = None
+    ) -> list[EpisodeResult]:
+        """Play every request; returns the results in request order (raises under ``"raise"``)."""
+        spaces = await self.runner._spaces() if self.detail else {}
+        sink_sends: list[MemoryObjectSendStream[Event]] = []
+        async with open_channel() as channel:
+            self.runner._watch(channel)
+            try:
+                async with anyio.create_task_group() as sink_group:
+                    for sink in self.sinks:
+                        send, receive = anyio.create_memory_object_stream[Event](SINK_BUFFER)
+                        sink_sends.append(send)
+                        sink_group.start_soon(_consume, sink, receive)
+                    targets: list[Callable[[Event], Awaitable[None]]] = [s.send for s in sink_sends]
+                    if out is not None:
+                        targets.append(out.send)
+                    emit = _fan_out(targets)
+                    await emit(RunStarted(self.run_id, len(self.requests), spaces))
+                    await self._dispatch_and_collect(channel, emit)
+                    await emit(RunFinished(self.run_id, tuple(self._ordered())))
+                    for send in sink_sends:
+                        await send.aclose()
+            finally:
+                for send in sink_sends:
+                    send.close()
+        results = self._with_paths(self._ordered())
+        if self.failure is not None and self.on_error == "raise":
+            raise EpisodeError(self.failure, [r for r in results if r.error is None])
+        return results
+
+    def _ordered(self) -> list[EpisodeResult]:
+        return [self.results[i] for i in sorted(self.results)]
+
+    def _with_paths(self, results: list[EpisodeResult]) -> list[EpisodeResult]:
+        paths: dict[int, str] = {}
+        for sink in self.sinks:
+            paths.update(getattr(sink, "paths", {}))
+        return [replace(r, path=paths.get(r.index, r.path)) for r in results]
+
+    async def _dispatch_and_collect(
+        self, channel: Channel, emit: Callable[[Event], Awaitable[None]]
+    ) -> None:
+        if not self.requests:
+            return
+        send, receive = anyio.create_memory_object_stream[EpisodeRequest](len(self.requests))
+        for request in self.requests:
+            send.send_nowait(request)
+        send.close()
+        async with anyio.create_task_group() as dispatchers, receive:
+            for _ in range(min(self.runner.workers, len(self.requests))):
+                dispatchers.start_soon(self._dispatch, receive.clone(), channel)
+            async for event in channel.receive:
+                await self._collect(event, emit)
+                if self._remaining == 0 or (self.failure is not None and self.on_error == "raise"):
+                    break
+            dispatchers.cancel_scope.cancel()
+
+    async def _collect(self, event: Any, emit: Callable[[Event], Awaitable[None]]) -> None:
+        if event.run_id != self.run_id:
+            return
+        key = (event.index, event.attempt)
+        if key in self._closed:
+            return  # late frames of an attempt already ended (its worker died)
+        if isinstance(event, StepBatch):
+            self._last_step[event.index] = event.first_step + len(event) - 1
+        elif isinstance(event, EpisodeFinished):
+            self._closed.add(key)
+            self.results[event.index] = EpisodeResult(
+                index=event.index, chronics_path=event.chronics_path, name=event.name,
+                cum_reward=event.cum_reward, nb_time_step=event.nb_time_step, max_ts=event.max_ts,
+                env_seed=event.env_seed, agent_seed=event.agent_seed,
+                nb_highres_sim=event.nb_highres_sim,
+            )
+            self._remaining -= 1
+        elif isinstance(event, EpisodeFailed):
+            self._closed.add(key)
+            if not event.retrying:
+                request = self._by_index[event.index]
+                self.results[event.index] = EpisodeResult(
+                    index=event.index, chronics_path=None, name=None, cum_reward=0.0,
+                    nb_time_step=event.step, max_ts=0, env_seed=request.env_seed,
+                    agent_seed=request.agent_seed, error=event,
+                )
+                self._remaining -= 1
+                if self.failure is None:
+                    self.failure = event
+        elif not isinstance(event, EpisodeStarted):
+            return
+        await emit(event)
+        if key in self._closed:
+            self._terminal.setdefault(key, anyio.Event()).set()
+
+    async def _dispatch(
+        self, requests: MemoryObjectReceiveStream[EpisodeRequest], channel: Channel
+    ) -> None:
+        async with requests:
+            async for request in requests:
+                await self._play(request, channel)
+
+    async def _play(self, request: EpisodeRequest, channel: Channel) -> None:
+        runner = self.runner
+        for attempt in range(1, self.retries + 2):
+            job = EpisodeJob(
+                address=channel.address, token=channel.token, run_id=self.run_id,
+                recipe_key=runner._recipe_key, recipe=runner._recipe_bytes, index=request.index,
+                attempt=attempt, episode_id=request.episode_id, env_seed=request.env_seed,
+                agent_seed=request.agent_seed, max_iter=request.max_iter,
+                init_state=request.init_state, reset_options=request.reset_options,
+                detail=self.detail,
+            )
+            key = (request.index, attempt)
+            terminal = self._terminal.setdefault(key, anyio.Event())
+            timeout = self.episode_timeout
+            try:
+                with anyio.fail_after(timeout) if timeout is not None else nullcontext():
+                    await runner._call(run_episode, job)
+            except TimeoutError:
+                await self._fail(
+                    channel, request, attempt, "EpisodeTimeout",
+                    f"the episode ran longer than episode_timeout={timeout}s; its worker was stopped",
+                    retrying=False,
+                )
+                return
+            except Exception as exc:
+                died = type(exc).__name__ in _WORKER_DIED
+                retrying = died and attempt <= self.retries
+                message = str(exc) or repr(exc)
+                if died:
+                    message = f"the worker process died ({message or 'no detail'})"
+                await self._fail(channel, request, attempt, type(exc).__name__, message, retrying)
+                if retrying:
+                    continue
+                return
+            await terminal.wait()
+            return
+
+    async def _fail(
+        self, channel: Channel, request: EpisodeRequest, attempt: int, error_type: str,
+        message: str, retrying: bool,
+    ) -> None:
+        await channel.send.send(
+            EpisodeFailed(
+                run_id=self.run_id, index=request.index, attempt=attempt, error_type=error_type,
+                message=message, traceback="", step=self._last_step.get(request.index, 0),
+                retrying=retrying,
+            )
+        )
+
+
+def _fan_out(
+    targets: list[Callable[[Event], Awaitable[None]]],
+) -> Callable[[Event], Awaitable[None]]:
+    async def emit(event: Event) -> None:
+        for target in targets:
+            await target(event)
+
+    return emit
+
+
+async def _consume(sink: Sink, receive: MemoryObjectReceiveStream[Event]) -> None:
+    try:
+        async with receive:
+            async for event in receive:
+                try:
+                    await sink.send(event)
+                except Exception as exc:
+                    raise SinkError(
+                        f"sink {sink!r} failed on {type(event).__name__}: {type(exc).__name__}: {exc}"
+                    ) from exc
+    finally:
+        with anyio.CancelScope(shield=True):
+            await sink.aclose()

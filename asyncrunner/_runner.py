@@ -1,0 +1,343 @@
+"""``AsyncRunner``: the async resource users hold; owns the worker pool, starts runs."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import hashlib
+import os
+import pickle
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import asynccontextmanager
+from typing import Any, Literal, TypeVar
+
+import anyio
+import anyio.to_process
+from anyio.abc import AsyncResource, TaskGroup
+
+from ._channel import Channel
+from ._events import Event
+from ._exceptions import AsyncRunnerError
+from ._plan import chronic_names, plan_episodes
+from ._results import EpisodeResult
+from ._run import Run
+from ._worker import Recipe, warm
+from .sinks._base import Sink
+
+__all__ = ["AsyncRunner"]
+
+T = TypeVar("T")
+
+
+def _agent_recipe(agent: Any) -> tuple[str, Any]:
+    from grid2op.Agent import BaseAgent
+
+    if isinstance(agent, type):
+        if not issubclass(agent, BaseAgent):
+            raise TypeError(
+                f"agent class {agent.__qualname__} is not a grid2op BaseAgent subclass: "
+                "derive it from grid2op.Agent.BaseAgent, or pass a factory (action_space) -> agent"
+            )
+        return "class", agent
+    if isinstance(agent, BaseAgent):
+        return "instance", agent
+    if callable(agent):
+        return "factory", agent
+    raise TypeError(
+        f"agent must be a BaseAgent subclass, a BaseAgent instance or a callable "
+        f"(action_space) -> BaseAgent, got {type(agent).__name__}"
+    )
+
+
+class AsyncRunner(AsyncResource):
+    """Plays grid2op episodes of ``agent`` on ``env`` in worker processes, from asyncio or trio.
+
+    ``agent``: a ``BaseAgent`` subclass (built in the worker with the env's action space), an
+    instance (copied for each episode, as grid2op does) or a picklable ``(action_space) -> agent``.
+    ``workers``: episodes run at once (default: CPU count). ``executor``: ``None`` for local
+    processes through ``anyio.to_process``, or a ``concurrent.futures.Executor``.
+    The pool lives as long as the runner: use ``async with`` or ``await runner.aclose()``.
+    """
+
+    def __init__(
+        self,
+        env: Any,
+        *,
+        agent: Any,
+        workers: int | None = None,
+        executor: concurrent.futures.Executor | None = None,
+        sinks: Sequence[Sink] = (),
+        retries: int = 1,
+    ) -> None:
+        if getattr(env, "_BaseEnv__closed", False):
+            raise ValueError("the env is closed: pass an open grid2op env (make a new one)")
+        if not hasattr(env, "get_params_for_runner"):
+            raise TypeError(f"env must be a grid2op Environment, got {type(env).__name__}")
+        if workers is None:
+            workers = os.cpu_count() or 1
+        if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+            raise ValueError(f"`workers` must be an integer >= 1, got {workers!r}")
+        if executor is not None and not isinstance(executor, concurrent.futures.Executor):
+            raise TypeError(
+                f"`executor` must be None or a concurrent.futures.Executor, got {type(executor).__name__}"
+            )
+        if isinstance(retries, bool) or not isinstance(retries, int) or retries < 0:
+            raise ValueError(f"`retries` must be an integer >= 0, got {retries!r}")
+        kind, payload = _agent_recipe(agent)
+        recipe = Recipe(params=env.get_params_for_runner(), agent_kind=kind, agent=payload)
+        try:
+            self._recipe_bytes = pickle.dumps(recipe, protocol=5)
+        except Exception as exc:
+            raise TypeError(
+                f"the agent {agent!r} cannot be sent to worker processes because it cannot be "
+                f"pickled ({type(exc).__name__}: {exc}); pass its class, or a module-level factory "
+                "(action_space) -> agent"
+            ) from exc
+        self._recipe_key = hashlib.blake2b(self._recipe_bytes, digest_size=16).hexdigest()
+        self.env = env
+        self.workers = workers
+        self.executor = executor
+        self.sinks = tuple(sinks)
+        self.retries = retries
+        self._names = chronic_names(env)
+        self._space_dicts: dict[str, Any] | None = None
+        self._limiter: anyio.CapacityLimiter | None = None
+        self._pids: set[int] = set()
+        self._warm_group: TaskGroup | None = None
+        self._closed = False
+
+    # --- the pool ------------------------------------------------------------------------------
+
+    async def __aenter__(self) -> AsyncRunner:
+        self._check_open()
+        # Start the workers and build their envs now, while the caller prepares its first run.
+        self._warm_group = anyio.create_task_group()
+        await self._warm_group.__aenter__()
+        for _ in range(self.workers):
+            self._warm_group.start_soon(self._warm_one)
+        return self
+
+    async def _warm_one(self) -> None:
+        try:
+            self._pids.add(await self._call(warm, self._recipe_key, self._recipe_bytes))
+        except Exception:
+            pass  # the first episode on this worker reports the same error, with its context
+
+    async def aclose(self) -> None:
+        """Stop the warm-up, then the worker processes this runner used (idle ones)."""
+        if self._closed:
+            return
+        self._closed = True
+        group, self._warm_group = self._warm_group, None
+        if group is not None:
+            group.cancel_scope.cancel()
+            await group.__aexit__(None, None, None)
+        with anyio.CancelScope(shield=True):
+            await self._stop_workers()
+
+    async def _stop_workers(self) -> None:
+        if self.executor is not None:
+            return  # the caller's executor: theirs to shut down
+        # anyio keeps its process pool per event loop and has no public way to stop it; we stop
+        # the idle processes that served this runner so none outlives it.
+        try:
+            workers = anyio.to_process._process_pool_workers.get()
+            idle = anyio.to_process._process_pool_idle_workers.get()
+        except LookupError:
+            return
+        for entry in list(idle):
+            process = entry[0]
+            if process.pid in self._pids:
+                idle.remove(entry)
+                workers.discard(process)
+                try:
+                    process.kill()
+                except ProcessLookupError:
+                    pass
+                await process.aclose()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise AsyncRunnerError("this AsyncRunner is closed: create a new one")
+
+    def _watch(self, channel: Channel) -> None:
+        # Remember which processes served us (they say so when they connect).
+        channel.pids = self._pids
+
+    async def _call(self, fn: Callable[..., T], *args: Any) -> T:
+        if self._limiter is None:
+            self._limiter = anyio.CapacityLimiter(self.workers)
+        if self.executor is None:
+            return await anyio.to_process.run_sync(fn, *args, cancellable=True, limiter=self._limiter)
+        async with self._limiter:
+            future = self.executor.submit(fn, *args)
+            try:
+                return await anyio.to_thread.run_sync(future.result, abandon_on_cancel=True)
+            finally:
+                future.cancel()
+
+    async def _spaces(self) -> dict[str, Any]:
+        if self._space_dicts is None:
+            env = self.env
+
+            def build() -> dict[str, Any]:
+                return {
+                    "dict_action_space.json": env.action_space.cls_to_dict(),
+                    "dict_observation_space.json": env.observation_space.cls_to_dict(),
+                    "dict_env_modification_space.json": env._helper_action_env.cls_to_dict(),
+                    "dict_attack_space.json": env._opponent_action_space.cls_to_dict(),
+                }
+
+            self._space_dicts = await anyio.to_thread.run_sync(build)
+        return self._space_dicts
+
+    # --- runs ----------------------------------------------------------------------------------
+
+    def _prepare(
+        self,
+        nb_episode: int,
+        *,
+        path_save: str | os.PathLike[str] | None,
+        max_iter: int | None,
+        pbar: Any,
+        env_seeds: Sequence[int] | None,
+        agent_seeds: Sequence[int] | None,
+        episode_id: Sequence[int | str] | None,
+        init_states: Any,
+        reset_options: Any,
+        sinks: Sequence[Sink],
+        on_error: str,
+        episode_timeout: float | None,
+        retries: int | None,
+        streaming: bool,
+    ) -> Run:
+        self._check_open()
+        requests = plan_episodes(
+            nb_episode, names=self._names, max_iter=max_iter, env_seeds=env_seeds,
+            agent_seeds=agent_seeds, episode_id=episode_id, init_states=init_states,
+            reset_options=reset_options,
+        )
+        if on_error not in ("raise", "continue"):
+            raise ValueError(f'`on_error` must be "raise" or "continue", got {on_error!r}')
+        if episode_timeout is not None and not episode_timeout > 0:
+            raise ValueError(f"`episode_timeout` must be > 0 seconds, got {episode_timeout!r}")
+        if retries is None:
+            retries = self.retries
+        elif isinstance(retries, bool) or not isinstance(retries, int) or retries < 0:
+            raise ValueError(f"`retries` must be an integer >= 0, got {retries!r}")
+        for sink in sinks:
+            if not isinstance(sink, Sink):
+                raise TypeError(
+                    f"sinks must be asyncrunner.sinks.Sink instances, got {type(sink).__name__}; "
+                    "wrap a function in CallbackSink(fn)"
+                )
+        all_sinks = [*self.sinks, *sinks]
+        if path_save is not None:
+            from .sinks import EpisodeDataWriter
+
+            all_sinks.append(EpisodeDataWriter(path_save))
+        if pbar:
+            from .sinks import ProgressBar
+
+            all_sinks.append(ProgressBar(pbar))
+        detail = streaming or any(getattr(s, "needs_steps", True) for s in all_sinks)
+        return Run(
+            self, requests, sinks=all_sinks, on_error=on_error,  # type: ignore[arg-type]
+            retries=retries, episode_timeout=episode_timeout, detail=detail,
+        )
+
+    async def run(
+        self,
+        nb_episode: int,
+        *,
+        path_save: str | os.PathLike[str] | None = None,
+        max_iter: int | None = None,
+        pbar: Any = False,
+        env_seeds: Sequence[int] | None = None,
+        agent_seeds: Sequence[int] | None = None,
+        episode_id: Sequence[int | str] | None = None,
+        init_states: Any = None,
+        reset_options: Any = None,
+        sinks: Sequence[Sink] = (),
+        on_error: Literal["raise", "continue"] = "raise",
+        episode_timeout: float | None = None,
+        retries: int | None = None,
+    ) -> list[EpisodeResult]:
+        """Play ``nb_episode`` episodes; returns one ``EpisodeResult`` each, in request order.
+
+        Arguments shared with ``grid2op.Runner.Runner.run`` mean the same. ``on_error="raise"``
+        stops at the first failed episode and raises ``EpisodeError`` (finished episodes stay
+        saved); ``"continue"`` plays every episode and reports failures in ``result.error``.
+        """
+        run = self._prepare(
+            nb_episode, path_save=path_save, max_iter=max_iter, pbar=pbar, env_seeds=env_seeds,
+            agent_seeds=agent_seeds, episode_id=episode_id, init_states=init_states,
+            reset_options=reset_options, sinks=sinks, on_error=on_error,
+            episode_timeout=episode_timeout, retries=retries, streaming=False,
+        )
+        with _unwrapped():
+            return await run.execute()
+
+    @asynccontextmanager
+    async def stream(
+        self,
+        nb_episode: int,
+        *,
+        path_save: str | os.PathLike[str] | None = None,
+        max_iter: int | None = None,
+        pbar: Any = False,
+        env_seeds: Sequence[int] | None = None,
+        agent_seeds: Sequence[int] | None = None,
+        episode_id: Sequence[int | str] | None = None,
+        init_states: Any = None,
+        reset_options: Any = None,
+        sinks: Sequence[Sink] = (),
+        on_error: Literal["raise", "continue"] = "raise",
+        episode_timeout: float | None = None,
+        retries: int | None = None,
+    ) -> AsyncIterator[AsyncIterator[Event]]:
+        """Like ``run``, as an async context manager giving the events as they happen.
+
+        Leaving the block early cancels what is left of the run.
+        """
+        run = self._prepare(
+            nb_episode, path_save=path_save, max_iter=max_iter, pbar=pbar, env_seeds=env_seeds,
+            agent_seeds=agent_seeds, episode_id=episode_id, init_states=init_states,
+            reset_options=reset_options, sinks=sinks, on_error=on_error,
+            episode_timeout=episode_timeout, retries=retries, streaming=True,
+        )
+        send, receive = anyio.create_memory_object_stream[Event](16)
+
+        async def produce() -> None:
+            async with send:
+                await run.execute(send)
+
+        with _unwrapped():
+            async with anyio.create_task_group() as group, receive:
+                group.start_soon(produce)
+                try:
+                    yield receive
+                finally:
+                    group.cancel_scope.cancel()
+
+
+class _unwrapped:
+    """Re-raise the meaningful error out of task-group exception groups (cancellation untouched)."""
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, typ: Any, exc: BaseException | None, tb: Any) -> bool:
+        if isinstance(exc, BaseExceptionGroup):
+            leaves = _leaves(exc)
+            cancelled = anyio.get_cancelled_exc_class()
+            real = [e for e in leaves if not isinstance(e, cancelled)]
+            if real:
+                ours = [e for e in real if isinstance(e, AsyncRunnerError)]
+                raise (ours or real)[0]
+        return False
+
+
+def _leaves(group: BaseException) -> list[BaseException]:
+    if isinstance(group, BaseExceptionGroup):
+        return [leaf for e in group.exceptions for leaf in _leaves(e)]
+    return [group]

@@ -1,0 +1,336 @@
+"""What runs inside a worker process: the env cache, the per-episode reset contract, the step loop.
+
+Functions here are called through ``anyio.to_process.run_sync`` (or an executor) with picklable
+arguments. A worker keeps its env across episodes (``_ENVS``) and restores, before each episode,
+everything a fresh env built by grid2op's Runner would have, so results match grid2op's Runner
+bit for bit. Steps go back in batches over the run's channel (``_channel``), not as return values.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import pickle
+import time
+import traceback
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from . import _channel
+from ._events import EpisodeFailed, EpisodeFinished, EpisodeStarted, StepBatch
+
+__all__ = ["EpisodeJob", "Recipe", "run_episode", "warm"]
+
+# How many envs one worker keeps (a worker may serve several runners in turn).
+_MAX_ENVS = 2
+# A batch leaves when it holds this many steps, or when this many seconds passed since the last one.
+_BATCH_STEPS = 64
+_BATCH_SECONDS = 0.1
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """How to build the env and the agent: grid2op's ``get_params_for_runner()`` plus the agent."""
+
+    params: dict[str, Any]
+    agent_kind: str  # "class" | "instance" | "factory"
+    agent: Any
+
+
+@dataclass(frozen=True)
+class EpisodeJob:
+    """One episode to play, as sent to a worker."""
+
+    address: str
+    token: str
+    run_id: str
+    recipe_key: str
+    recipe: bytes
+    index: int
+    attempt: int
+    episode_id: int | str
+    env_seed: int | None
+    agent_seed: int | None
+    max_iter: int | None
+    init_state: Any
+    reset_options: dict[str, Any] | None
+    detail: bool
+
+
+class _Cached:
+    """An env built from a recipe, with what a fresh one had, to restore before each episode."""
+
+    def __init__(self, recipe: Recipe) -> None:
+        from grid2op.Agent import DoNothingAgent
+        from grid2op.Runner import Runner
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            runner = Runner(**recipe.params, agentClass=DoNothingAgent)
+            self.env, _ = runner._new_env(runner.parameters)
+        env = self.env
+        self.recipe = recipe
+        self.agent_template = recipe.agent
+        self.thermal_limit = env.get_thermal_limit().copy()
+        self.parameters = copy.deepcopy(env.parameters)
+        self.forecast_parameters = copy.deepcopy(env.observation_space._simulate_parameters)
+        self.max_iter = env._max_iter
+        self.other_reward_names = tuple(env.other_rewards)
+
+    def restore(self) -> None:
+        """Undo what an episode may have left in the env (a fresh env has none of it)."""
+        from grid2op.Reward import RewardHelper
+
+        env = self.env
+        env._BaseEnv__new_param = None
+        env._BaseEnv__new_forecast_param = None
+        env._BaseEnv__new_reward_func = None
+        if env.parameters.to_dict() != self.parameters.to_dict():
+            env.change_parameters(copy.deepcopy(self.parameters))
+        sim_params = env.observation_space._simulate_parameters
+        if sim_params.to_dict() != self.forecast_parameters.to_dict():
+            env.change_forecast_parameters(copy.deepcopy(self.forecast_parameters))
+        env._max_iter = self.max_iter
+        # Rewards are re-created: some keep state that their reset() leaves (AlarmReward).
+        env._reward_helper = RewardHelper(env._rewardClass, logger=env.logger)
+        env._reward_helper.initialize(env)
+        env.reward_range = env._reward_helper.range()
+        for name, helper in list(env.other_rewards.items()):
+            fresh = RewardHelper(helper.rewardClass, logger=env.logger)
+            fresh.initialize(env)
+            env.other_rewards[name] = fresh
+
+    def new_agent(self) -> Any:
+        kind, agent = self.recipe.agent_kind, self.agent_template
+        if kind == "class":
+            return agent(self.env.action_space)
+        if kind == "factory":
+            return agent(self.env.action_space)
+        return copy.copy(agent)
+
+
+_ENVS: dict[str, _Cached] = {}
+
+
+def _get_env(recipe_key: str, recipe_bytes: bytes) -> _Cached:
+    cached = _ENVS.pop(recipe_key, None)
+    if cached is None:
+        while len(_ENVS) >= _MAX_ENVS:
+            _ENVS.pop(next(iter(_ENVS))).env.close()
+        cached = _Cached(pickle.loads(recipe_bytes))
+    _ENVS[recipe_key] = cached  # most recently used last
+    return cached
+
+
+def warm(recipe_key: str, recipe_bytes: bytes) -> int:
+    """Build (or find) the env of a recipe; returns this worker's pid."""
+    _get_env(recipe_key, recipe_bytes)
+    return os.getpid()
+
+
+def _to_float(value: Any) -> float:
+    # grid2op's EpisodeData._convert_to_float
+    try:
+        return float(value)
+    except Exception:
+        return -float("inf")
+
+
+class _Batcher:
+    """Preallocated rows for the next StepBatch; flushed by size or age."""
+
+    def __init__(self, job: EpisodeJob, env: Any, n_other: int, send: Any) -> None:
+        from grid2op.dtypes import dt_bool, dt_float
+
+        self.job, self.send, self.detail = job, send, job.detail
+        n = _BATCH_STEPS if job.detail else 0
+        self.actions = np.full((n, env.action_space.n), np.nan, dtype=dt_float)
+        self.env_actions = np.full((n, env._helper_action_env.n), np.nan, dtype=dt_float)
+        self.observations = np.full((n, env.observation_space.n), np.nan, dtype=dt_float)
+        self.disc_lines = np.full((n, env.backend.n_line), np.nan, dtype=dt_bool)
+        self.disc_templ = np.full(env.backend.n_line, False, dtype=dt_bool)
+        self.attacks = np.zeros((n, env._opponent_action_space.n), dtype=dt_float)
+        self.other_rewards = np.zeros((n, n_other), dtype=np.float64)
+        self.rewards = np.zeros(_BATCH_STEPS, dtype=dt_float)
+        self.done = np.zeros(_BATCH_STEPS, dtype=bool)
+        self.legal = np.ones(_BATCH_STEPS, dtype=dt_bool)
+        self.ambiguous = np.zeros(_BATCH_STEPS, dtype=dt_bool)
+        self.agent_times = np.zeros(_BATCH_STEPS, dtype=dt_float)
+        self.n = 0
+        self.first_step = 1
+        self.last_flush = time.perf_counter()
+
+    def add(
+        self, env: Any, act: Any, obs: Any, reward: float, done: bool, info: dict[str, Any],
+        attack: Any, agent_time: float, names: tuple[str, ...],
+    ) -> None:
+        i = self.n
+        if self.detail:
+            self.actions[i] = act.to_vect()
+            self.env_actions[i] = env._env_modification.to_vect()
+            self.observations[i] = obs.to_vect()
+            if attack is not None:
+                self.attacks[i] = attack.to_vect()
+            else:
+                self.attacks[i] = 0.0
+            if "disc_lines" in info:
+                arr = info["disc_lines"]
+                self.disc_lines[i] = arr if arr is not None else self.disc_templ
+            else:
+                self.disc_lines[i] = True  # grid2op leaves its NaN-filled bool row
+            rewards = info.get("rewards", {})
+            for k, name in enumerate(names):
+                self.other_rewards[i, k] = _to_float(rewards.get(name, np.nan))
+        self.rewards[i] = reward
+        self.done[i] = done
+        self.legal[i] = not info["is_illegal"]
+        self.ambiguous[i] = info["is_ambiguous"]
+        self.agent_times[i] = agent_time
+        self.n += 1
+        if self.n == _BATCH_STEPS or done or time.perf_counter() - self.last_flush > _BATCH_SECONDS:
+            self.flush()
+
+    def flush(self) -> None:
+        n = self.n
+        if n == 0:
+            return
+        m = n if self.detail else 0
+        job = self.job
+        self.send(
+            StepBatch(
+                run_id=job.run_id, index=job.index, attempt=job.attempt, first_step=self.first_step,
+                actions=self.actions[:m].copy(), env_actions=self.env_actions[:m].copy(),
+                observations=self.observations[:m].copy(), rewards=self.rewards[:n].copy(),
+                done=self.done[:n].copy(), disc_lines=self.disc_lines[:m].copy(),
+                attacks=self.attacks[:m].copy(), legal=self.legal[:n].copy(),
+                ambiguous=self.ambiguous[:n].copy(), agent_times=self.agent_times[:n].copy(),
+                other_rewards=self.other_rewards[:m].copy(),
+            )
+        )
+        self.first_step += n
+        self.n = 0
+        self.last_flush = time.perf_counter()
+
+
+def _reset_options(job: EpisodeJob, cached: _Cached) -> dict[str, Any]:
+    options = dict(job.reset_options or {})
+    # A "thermal limit" option given to an earlier episode outlives it: restore the runner's.
+    options.setdefault("thermal limit", cached.thermal_limit)
+    options["time serie id"] = job.episode_id
+    if job.max_iter is not None:
+        options["max step"] = job.max_iter
+    if job.init_state is not None:
+        options["init state"] = copy.deepcopy(job.init_state)
+    return options
+
+
+def run_episode(job: EpisodeJob) -> str:
+    """Play one episode, streaming its events; returns ``"finished"`` or ``"failed"``.
+
+    Exceptions of the agent or the env become an ``EpisodeFailed`` event; a broken channel raises.
+    """
+    send = _channel.connect(job.address, job.token)
+    cached = _get_env(job.recipe_key, job.recipe)
+    step = 0
+    try:
+        step = _play(job, cached, send)
+    except _channel.ChannelClosed:
+        raise
+    except Exception as exc:
+        # The env may be in any state now: build a fresh one for the next episode.
+        _ENVS.pop(job.recipe_key, None)
+        failure = EpisodeFailed(
+            run_id=job.run_id, index=job.index, attempt=job.attempt, error_type=type(exc).__name__,
+            message=str(exc), traceback=traceback.format_exc(), step=getattr(exc, "_ar_step", step),
+        )
+        send(failure)
+        return "failed"
+    return "finished"
+
+
+def _play(job: EpisodeJob, cached: _Cached, send: Any) -> int:
+    from grid2op.dtypes import dt_float
+
+    cached.restore()
+    env = cached.env
+    names = cached.other_reward_names
+    agent = cached.new_agent()
+    obs = env.reset(seed=job.env_seed, options=_reset_options(job, cached))
+    env._highres_sim_counter._HighResSimCounter__nb_highres_called = 0
+    if job.agent_seed is not None:
+        agent.seed(job.agent_seed)
+    agent.reset(obs)
+    chronics = env.chronics_handler
+    max_ts = max(chronics.max_timestep(), 0)
+    send(
+        EpisodeStarted(
+            run_id=job.run_id, index=job.index, attempt=job.attempt,
+            chronics_path=str(chronics.get_id()), name=str(chronics.get_name()), max_ts=int(max_ts),
+            env_seed=job.env_seed, agent_seed=job.agent_seed, worker=os.getpid(),
+            observation=obs.to_vect() if job.detail else np.empty(0, dtype=dt_float),
+            parameters=env.parameters.to_dict(),
+            meta={
+                "chronics_max_timestep": str(chronics.max_timestep()),
+                "grid_path": str(env._init_grid_path),
+                "backend_type": type(env.backend).__name__,
+                "env_type": type(env).__name__,
+            },
+            other_reward_names=names,
+        )
+    )
+    batch = _Batcher(job, env, len(names), send)
+    can_skip = type(env).CAN_SKIP_TS
+    time_step = 0
+    time_act = 0.0
+    cum_reward = dt_float(0.0)
+    reward = float(env.reward_range[0])
+    done = False
+    beg_ = time.perf_counter()
+    try:
+        while not done:
+            beg__ = time.perf_counter()
+            act = agent.act(obs, reward, done)
+            end__ = time.perf_counter()
+            time_act += end__ - beg__
+            if can_skip:
+                for (obs, reward, done, info), attack in zip(*env.steps(act), strict=True):
+                    time_step += 1
+                    cum_reward += reward
+                    batch.add(env, act, obs, reward, done, info, attack, end__ - beg__, names)
+            else:
+                obs, reward, done, info = env.step(act)
+                time_step += 1
+                cum_reward += reward
+                batch.add(
+                    env, act, obs, reward, done, info, env._oppSpace.last_attack, end__ - beg__,
+                    names,
+                )
+    except Exception as exc:
+        batch.flush()
+        exc._ar_step = time_step  # type: ignore[attr-defined]  # read by run_episode
+        raise
+    end_ = time.perf_counter()
+    batch.flush()
+    send(
+        EpisodeFinished(
+            run_id=job.run_id, index=job.index, attempt=job.attempt,
+            chronics_path=str(chronics.get_id()), name=str(chronics.get_name()),
+            cum_reward=float(cum_reward), nb_time_step=int(time_step), max_ts=int(max_ts),
+            env_seed=job.env_seed, agent_seed=job.agent_seed,
+            nb_highres_sim=int(env.nb_highres_called),
+            times={
+                "Env": {
+                    "total": float(env._time_apply_act + env._time_powerflow + env._time_extract_obs),
+                    "apply_act": float(env._time_apply_act),
+                    "powerflow_computation": float(env._time_powerflow),
+                    "observation_computation": float(env._time_extract_obs),
+                },
+                "Agent": {"total": float(time_act)},
+                "total": float(end_ - beg_),
+            },
+        )
+    )
+    return time_step

@@ -1,0 +1,26 @@
+"""The sink interface: an async resource that receives every event of a run."""
+
+from __future__ import annotations
+
+import abc
+
+from anyio.abc import AsyncResource
+
+from .._events import Event
+
+__all__ = ["Sink"]
+
+
+class Sink(AsyncResource):
+    """Receives a run's events in order through ``send``; ``aclose`` ends it.
+
+    Each sink reads its own bounded stream: a slow ``send`` slows the run instead of growing
+    memory. Do file or CPU work in ``anyio.to_thread.run_sync`` so the event loop stays free.
+    """
+
+    @abc.abstractmethod
+    async def send(self, event: Event) -> None:
+        """Handle one event."""
+
+    async def aclose(self) -> None:
+        """Release what the sink holds; called once when the run ends, even on failure."""
