@@ -127,7 +127,7 @@ async def open_channel(max_buffer: int = 64) -> AsyncIterator[Channel]:
     channel = Channel(address=address, token=secrets.token_hex(16), send=send, receive=receive)
     try:
         listener = await anyio.create_unix_listener(address)
-        async with anyio.create_task_group() as inner, listener, send, receive:
+        async with listener, send, receive, anyio.create_task_group() as inner:
             inner.start_soon(listener.serve, channel._serve, inner)
             try:
                 yield channel

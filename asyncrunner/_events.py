@@ -38,7 +38,10 @@ class RunStarted:
 
 @dataclass(frozen=True)
 class EpisodeStarted:
-    """An episode was reset in a worker; ``observation`` is the first observation as a vector."""
+    """An episode was reset in a worker; ``observation`` is the first observation as a vector.
+
+    ``worker`` is the worker's pid, ``env_builds`` how many envs that worker has built so far.
+    """
 
     run_id: str
     index: int
@@ -49,10 +52,16 @@ class EpisodeStarted:
     env_seed: int | None
     agent_seed: int | None
     worker: int
+    env_builds: int
     observation: np.ndarray = field(repr=False)
     parameters: Mapping[str, Any] = field(repr=False)
     meta: Mapping[str, Any] = field(repr=False)
     other_reward_names: tuple[str, ...] = ()
+    # What was requested (for ``resume``), and what grid2op's CompactEpisodeData records.
+    episode_id: int | str | None = None
+    max_iter: int | None = None
+    max_episode_duration: int = 0
+    action_space_seed: int | None = None
 
 
 @dataclass(frozen=True)

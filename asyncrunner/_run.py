@@ -131,9 +131,12 @@ class Run:
                 dispatchers.start_soon(self._dispatch, receive.clone(), channel)
             async for event in channel.receive:
                 await self._collect(event, emit)
-                if self._remaining == 0 or (self.failure is not None and self.on_error == "raise"):
+                if self.failure is not None and self.on_error == "raise":
+                    # Stop the rest: cancelling a call stops its worker process.
+                    dispatchers.cancel_scope.cancel()
                     break
-            dispatchers.cancel_scope.cancel()
+                if self._remaining == 0:
+                    break  # the dispatchers return on their own (cancelling would kill workers)
 
     async def _collect(self, event: Any, emit: Callable[[Event], Awaitable[None]]) -> None:
         if event.run_id != self.run_id:

@@ -113,11 +113,14 @@ class _Cached:
 
 
 _ENVS: dict[str, _Cached] = {}
+_BUILDS = 0
 
 
 def _get_env(recipe_key: str, recipe_bytes: bytes) -> _Cached:
+    global _BUILDS
     cached = _ENVS.pop(recipe_key, None)
     if cached is None:
+        _BUILDS += 1
         while len(_ENVS) >= _MAX_ENVS:
             _ENVS.pop(next(iter(_ENVS))).env.close()
         cached = _Cached(pickle.loads(recipe_bytes))
@@ -260,6 +263,8 @@ def _play(job: EpisodeJob, cached: _Cached, send: Any) -> int:
     agent = cached.new_agent()
     obs = env.reset(seed=job.env_seed, options=_reset_options(job, cached))
     env._highres_sim_counter._HighResSimCounter__nb_highres_called = 0
+    if job.env_seed is None:
+        env.action_space.seed_used = None  # as on a fresh env (CompactEpisodeData records it)
     if job.agent_seed is not None:
         agent.seed(job.agent_seed)
     agent.reset(obs)
@@ -269,7 +274,7 @@ def _play(job: EpisodeJob, cached: _Cached, send: Any) -> int:
         EpisodeStarted(
             run_id=job.run_id, index=job.index, attempt=job.attempt,
             chronics_path=str(chronics.get_id()), name=str(chronics.get_name()), max_ts=int(max_ts),
-            env_seed=job.env_seed, agent_seed=job.agent_seed, worker=os.getpid(),
+            env_seed=job.env_seed, agent_seed=job.agent_seed, worker=os.getpid(), env_builds=_BUILDS,
             observation=obs.to_vect() if job.detail else np.empty(0, dtype=dt_float),
             parameters=env.parameters.to_dict(),
             meta={
@@ -279,6 +284,10 @@ def _play(job: EpisodeJob, cached: _Cached, send: Any) -> int:
                 "env_type": type(env).__name__,
             },
             other_reward_names=names,
+            episode_id=job.episode_id,
+            max_iter=job.max_iter,
+            max_episode_duration=int(env.max_episode_duration()),
+            action_space_seed=env.action_space.seed_used,
         )
     )
     batch = _Batcher(job, env, len(names), send)

@@ -1,0 +1,37 @@
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    import grid2op
+
+try:
+    from lightsim2grid import LightSimBackend
+except ImportError:  # pragma: no cover - lightsim is in the test extra
+    LightSimBackend = None
+
+
+@pytest.fixture(params=["asyncio", "trio"])
+def anyio_backend(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+def make_env(name: str = "l2rpn_case14_sandbox", **kwargs: Any) -> Any:
+    """A real env shipped in grid2op's wheel (``test=True``), on LightSim when installed."""
+    if LightSimBackend is not None and "backend" not in kwargs:
+        kwargs["backend"] = LightSimBackend()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return grid2op.make(name, test=True, **kwargs)
+
+
+@pytest.fixture
+def env() -> Iterator[Any]:
+    e = make_env()
+    yield e
+    e.close()

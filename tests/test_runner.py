@@ -1,0 +1,200 @@
+"""AsyncRunner against grid2op's own Runner: same seeds, same results."""
+
+from __future__ import annotations
+
+import multiprocessing
+import warnings
+from collections.abc import Sequence
+from concurrent.futures import ProcessPoolExecutor
+from typing import Any
+
+import anyio
+import numpy as np
+import pytest
+from grid2op.Agent import BaseAgent, DoNothingAgent, RandomAgent
+from grid2op.Reward import AlarmReward
+from grid2op.Runner import Runner
+
+from asyncrunner import AsyncRunner, EpisodeStarted
+from asyncrunner.sinks import CallbackSink
+
+from .conftest import make_env
+
+pytestmark = pytest.mark.anyio
+
+
+def grid2op_results(env: Any, agent: type[BaseAgent], **kwargs: Any) -> list[tuple[Any, ...]]:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        runner = Runner(**env.get_params_for_runner(), agentClass=agent)
+        return [(str(r[0]), *r[1:5]) for r in runner.run(nb_process=1, **kwargs)]
+
+
+class AlarmAgent(BaseAgent):  # type: ignore[misc]
+    """Raises an alarm at every step: leaves AlarmReward's `is_alarm_used` set after an episode."""
+
+    def act(self, observation: Any, reward: float, done: bool = False) -> Any:
+        return self.action_space({"raise_alarm": [0]})
+
+
+@pytest.mark.parametrize(
+    ("name", "agent", "workers"),
+    [
+        ("l2rpn_case14_sandbox", RandomAgent, 2),
+        ("l2rpn_case14_sandbox", DoNothingAgent, 1),
+        ("rte_case14_opponent", RandomAgent, 2),
+        ("rte_case14_opponent", DoNothingAgent, 1),
+        ("educ_case14_storage", RandomAgent, 1),
+        ("educ_case14_storage", DoNothingAgent, 2),
+    ],
+)
+async def test_parity_with_grid2op_runner(name: str, agent: type[BaseAgent], workers: int) -> None:
+    env = make_env(name)
+    # More episodes than workers, one chronic played twice, seeds and max_iter given.
+    kwargs: dict[str, Any] = dict(
+        nb_episode=3, max_iter=30, env_seeds=[11, 12, 13], agent_seeds=[21, 22, 23],
+        episode_id=[0, 1, 0],
+    )
+    expected = grid2op_results(env, agent, **kwargs)
+    async with AsyncRunner(env, agent=agent, workers=workers) as runner:
+        results = await runner.run(**kwargs)
+    assert [r.as_tuple() for r in results] == expected
+    assert [r.index for r in results] == [0, 1, 2]
+    assert all(r.error is None for r in results)
+    env.close()
+
+
+async def test_env_built_once_per_worker_and_reused(env: Any) -> None:
+    started: list[EpisodeStarted] = []
+    sink = CallbackSink(lambda e: started.append(e) if isinstance(e, EpisodeStarted) else None)
+    kwargs: dict[str, Any] = dict(
+        nb_episode=6, max_iter=8, env_seeds=list(range(6)), agent_seeds=list(range(6)),
+        episode_id=[0, 1, 2, 0, 1, 2],
+    )
+    async with AsyncRunner(env, agent=RandomAgent, workers=2, sinks=[sink]) as runner:
+        first = await runner.run(**kwargs)
+        second = await runner.run(**kwargs)
+    by_worker: dict[int, list[int]] = {}
+    for event in started:
+        by_worker.setdefault(event.worker, []).append(event.env_builds)
+    assert len(started) == 12
+    assert len(by_worker) == 2  # both workers served, across both runs
+    assert all(set(builds) == {1} for builds in by_worker.values())  # one env build each
+    assert [r.as_tuple() for r in first] == [r.as_tuple() for r in second]
+    assert [r.as_tuple() for r in first] == grid2op_results(env, RandomAgent, **kwargs)
+
+
+async def test_thermal_limit_reset_option_does_not_leak(env: Any) -> None:
+    low = env.get_thermal_limit() * 0.5
+    kwargs: dict[str, Any] = dict(
+        nb_episode=3, max_iter=20, env_seeds=[1, 2, 3], agent_seeds=[4, 5, 6],
+        episode_id=[0, 1, 2], reset_options=[{"thermal limit": low}, {}, {}],
+    )
+    expected = grid2op_results(env, DoNothingAgent, **kwargs)
+    # One worker: the episodes after the first reuse the env that had the low limits.
+    async with AsyncRunner(env, agent=DoNothingAgent, workers=1) as runner:
+        results = await runner.run(**kwargs)
+    assert [r.as_tuple() for r in results] == expected
+    assert results[0].nb_time_step < results[1].nb_time_step  # the option did act
+
+
+async def test_alarm_reward_state_does_not_leak() -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        env = make_env("l2rpn_icaps_2021", reward_class=AlarmReward)
+    kwargs: dict[str, Any] = dict(
+        nb_episode=3, max_iter=15, env_seeds=[1, 2, 3], agent_seeds=[4, 5, 6], episode_id=[0, 1, 0]
+    )
+    expected = grid2op_results(env, AlarmAgent, **kwargs)
+    async with AsyncRunner(env, agent=AlarmAgent, workers=1) as runner:
+        results = await runner.run(**kwargs)
+    assert [r.as_tuple() for r in results] == expected
+    env.close()
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_spawn_start_method_with_an_executor(env: Any) -> None:
+    kwargs: dict[str, Any] = dict(
+        nb_episode=3, max_iter=10, env_seeds=[1, 2, 3], agent_seeds=[4, 5, 6], episode_id=[0, 1, 2]
+    )
+    context = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(max_workers=2, mp_context=context) as executor:
+        async with AsyncRunner(env, agent=RandomAgent, workers=2, executor=executor) as runner:
+            results = await runner.run(**kwargs)
+    assert [r.as_tuple() for r in results] == grid2op_results(env, RandomAgent, **kwargs)
+
+
+async def test_stream_gives_events_in_episode_order(env: Any) -> None:
+    async with AsyncRunner(env, agent=DoNothingAgent, workers=2) as runner:
+        async with runner.stream(2, max_iter=70, episode_id=[0, 1]) as events:
+            seen = [event async for event in events]
+    kinds = [type(e).__name__ for e in seen]
+    assert kinds[0] == "RunStarted" and kinds[-1] == "RunFinished"
+    for index in (0, 1):
+        mine = [e for e in seen if getattr(e, "index", None) == index]
+        assert type(mine[0]).__name__ == "EpisodeStarted"
+        assert type(mine[-1]).__name__ == "EpisodeFinished"
+        batches = [e for e in mine if type(e).__name__ == "StepBatch"]
+        assert len(batches) >= 2  # steps arrive in several batches, not one object per step
+        steps = np.concatenate([b.rewards for b in batches])
+        assert len(steps) == 70 == mine[-1].nb_time_step
+        assert [b.first_step for b in batches] == list(
+            np.cumsum([1] + [len(b) for b in batches[:-1]])
+        )
+        assert batches[0].observations.shape == (len(batches[0]), env.observation_space.n)
+
+
+async def test_leaving_a_stream_early_cancels_the_run(env: Any) -> None:
+    async with AsyncRunner(env, agent=DoNothingAgent, workers=1) as runner:
+        with anyio.fail_after(60):
+            async with runner.stream(3) as events:
+                async for event in events:
+                    if type(event).__name__ == "StepBatch":
+                        break
+        # The runner is still usable after the cancelled run.
+        again = await runner.run(1, max_iter=3)
+    assert again[0].nb_time_step == 3
+
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "words"),
+    [
+        (dict(nb_episode=-1), ValueError, "nb_episode"),
+        (dict(nb_episode=2, env_seeds=[1]), ValueError, "env_seeds"),
+        (dict(nb_episode=2, agent_seeds=[1, 2, 3]), ValueError, "agent_seeds"),
+        (dict(nb_episode=2, episode_id=[0]), ValueError, "episode_id"),
+        (dict(nb_episode=1, episode_id=[7]), ValueError, "out of range"),
+        (dict(nb_episode=2, init_states=[{}]), ValueError, "init_states"),
+        (dict(nb_episode=1, reset_options={"bogus": 1}), ValueError, "bogus"),
+        (dict(nb_episode=1, on_error="ignore"), ValueError, "on_error"),
+    ],
+)
+async def test_bad_run_arguments_fail_before_any_work(
+    env: Any, kwargs: dict[str, Any], error: type[Exception], words: str
+) -> None:
+    runner = AsyncRunner(env, agent=DoNothingAgent, workers=1)
+    with pytest.raises(error, match=words):
+        await runner.run(**kwargs)
+    assert runner._pids == set()  # no worker was started
+    await runner.aclose()
+
+
+class _Unpicklable(DoNothingAgent):  # type: ignore[misc]
+    def __init__(self, action_space: Any) -> None:
+        super().__init__(action_space)
+        self.lock = multiprocessing.Lock().__enter__  # bound method of a lock: not picklable
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_bad_runner_arguments(env: Any) -> None:
+    with pytest.raises(ValueError, match="workers"):
+        AsyncRunner(env, agent=DoNothingAgent, workers=0)
+    with pytest.raises(TypeError, match="BaseAgent"):
+        AsyncRunner(env, agent=int)
+    with pytest.raises(TypeError, match="cannot be pickled"):
+        AsyncRunner(env, agent=_Unpicklable(env.action_space))
+    closed = make_env()
+    closed.close()
+    with pytest.raises(ValueError, match="closed"):
+        AsyncRunner(closed, agent=DoNothingAgent)
