@@ -142,3 +142,19 @@ def _check_id(ep_id: Any, names: list[str] | None) -> int | str:
             f"episode id {value} is out of range: this env has {count} chronics (ids 0..{count}-1)"
         )
     return value
+
+
+def check_path_save(path: str | os.PathLike[str]) -> str:
+    """Make sure episodes can be saved under ``path`` (created if missing); return it absolute."""
+    folder = os.path.abspath(os.fspath(path))
+    if os.path.exists(folder) and not os.path.isdir(folder):
+        raise ValueError(f"`path_save` {folder!r} is a file: give a folder to save episodes in")
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except OSError as exc:
+        raise ValueError(
+            f"`path_save` {folder!r} cannot be created ({exc.strerror}): give a writable folder"
+        ) from None
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise ValueError(f"`path_save` {folder!r} is not writable: give a writable folder")
+    return folder

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import secrets
 from collections.abc import Awaitable, Callable, Sequence
-from contextlib import nullcontext
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -75,6 +74,7 @@ class Run:
         self._terminal: dict[tuple[int, int], anyio.Event] = {}
         self._closed: set[tuple[int, int]] = set()
         self._last_step: dict[int, int] = {}
+        self._watchdogs: dict[tuple[int, int], anyio.CancelScope] = {}
         self._remaining = len(self.requests)
 
     async def execute(
@@ -144,7 +144,11 @@ class Run:
         key = (event.index, event.attempt)
         if key in self._closed:
             return  # late frames of an attempt already ended (its worker died)
-        if isinstance(event, StepBatch):
+        if isinstance(event, EpisodeStarted):
+            watchdog = self._watchdogs.get(key)
+            if watchdog is not None and self.episode_timeout is not None:
+                watchdog.deadline = anyio.current_time() + self.episode_timeout
+        elif isinstance(event, StepBatch):
             self._last_step[event.index] = event.first_step + len(event) - 1
         elif isinstance(event, EpisodeFinished):
             self._closed.add(key)
@@ -167,7 +171,7 @@ class Run:
                 self._remaining -= 1
                 if self.failure is None:
                     self.failure = event
-        elif not isinstance(event, EpisodeStarted):
+        else:
             return
         await emit(event)
         if key in self._closed:
@@ -195,8 +199,13 @@ class Run:
             terminal = self._terminal.setdefault(key, anyio.Event())
             timeout = self.episode_timeout
             try:
-                with anyio.fail_after(timeout) if timeout is not None else nullcontext():
+                with anyio.CancelScope() as scope:
+                    # The clock starts at EpisodeStarted (see _collect): a fresh worker's start and
+                    # env build do not count against the episode.
+                    self._watchdogs[key] = scope
                     await runner._call(run_episode, job)
+                if scope.cancelled_caught:
+                    raise TimeoutError
             except TimeoutError:
                 await self._fail(
                     channel, request, attempt, "EpisodeTimeout",

@@ -1,0 +1,231 @@
+"""Failures stay local, dead workers are replaced, cancellation is clean."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import signal
+import time
+from typing import Any
+
+import anyio
+import pytest
+from grid2op.Agent import BaseAgent, DoNothingAgent
+
+from asyncrunner import AsyncRunner, EpisodeError, EpisodeFailed, EpisodeStarted, StepBatch
+from asyncrunner.sinks import CallbackSink
+
+pytestmark = pytest.mark.anyio
+
+KWARGS: dict[str, Any] = dict(
+    nb_episode=3, max_iter=20, env_seeds=[1, 2, 3], agent_seeds=[11, 12, 13], episode_id=[0, 1, 2]
+)
+
+
+def children() -> set[int]:
+    """Pids of this process's live children (zombies excluded)."""
+    me = os.getpid()
+    found = set()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == me and fields[0] != "Z":
+            found.add(int(entry))
+    return found
+
+
+async def wait_no_children(before: set[int], seconds: float = 10) -> None:
+    with anyio.fail_after(seconds):
+        while children() - before:
+            await anyio.sleep(0.05)
+
+
+class FailsAtStep5(BaseAgent):  # type: ignore[misc]
+    """Raises at step 5 of the episode whose agent seed is 12."""
+
+    def __init__(self, action_space: Any) -> None:
+        super().__init__(action_space)
+        self.seed_used: int | None = None
+        self.steps = 0
+
+    def seed(self, seed: int) -> Any:
+        self.seed_used = seed
+        return super().seed(seed)
+
+    def act(self, observation: Any, reward: float, done: bool = False) -> Any:
+        self.steps += 1
+        if self.seed_used == 12 and self.steps == 5:
+            raise RuntimeError("agent broke at step 5")
+        return self.action_space({})
+
+
+class Hangs(BaseAgent):  # type: ignore[misc]
+    """Never returns from act (for the episode whose agent seed is 12)."""
+
+    def __init__(self, action_space: Any) -> None:
+        super().__init__(action_space)
+        self.seed_used: int | None = None
+
+    def seed(self, seed: int) -> Any:
+        self.seed_used = seed
+        return super().seed(seed)
+
+    def act(self, observation: Any, reward: float, done: bool = False) -> Any:
+        if self.seed_used == 12:
+            time.sleep(3600)
+        return self.action_space({})
+
+
+async def test_agent_error_continue_fails_that_episode_only(env: Any) -> None:
+    async with AsyncRunner(env, agent=FailsAtStep5, workers=2) as runner:
+        results = await runner.run(**KWARGS, on_error="continue")
+    assert [r.error is None for r in results] == [True, False, True]
+    failure = results[1].error
+    assert failure is not None
+    assert failure.error_type == "RuntimeError"
+    assert failure.message == "agent broke at step 5"
+    assert failure.step == 4  # four steps played, the fifth act raised
+    assert "test_reliability.py" in failure.traceback and "in act" in failure.traceback
+    assert results[0].nb_time_step == results[2].nb_time_step == 20
+
+
+async def test_agent_error_raise_carries_finished_results(env: Any, tmp_path: Any) -> None:
+    async with AsyncRunner(env, agent=FailsAtStep5, workers=1) as runner:
+        with pytest.raises(EpisodeError, match="agent broke at step 5") as info:
+            await runner.run(**KWARGS, path_save=tmp_path)
+    assert info.value.failure.index == 1
+    assert [r.index for r in info.value.results] == [0]  # one worker: episode 2 never started
+    assert info.value.results[0].nb_time_step == 20
+
+
+async def test_killed_worker_is_replaced_and_episode_retried(env: Any) -> None:
+    before = children()
+    kwargs = dict(KWARGS, max_iter=300)
+    events: list[Any] = []
+    killed: list[int] = []
+
+    def kill_mid_episode(event: Any) -> None:
+        events.append(event)
+        if isinstance(event, StepBatch) and event.index == 1 and not killed:
+            pid = next(e.worker for e in events if isinstance(e, EpisodeStarted) and e.index == 1)
+            os.kill(pid, signal.SIGKILL)
+            killed.append(pid)
+
+    async with AsyncRunner(env, agent=DoNothingAgent, workers=2) as runner:
+        disturbed = await runner.run(**kwargs, sinks=[CallbackSink(kill_mid_episode)])
+        undisturbed = await runner.run(**kwargs)
+    assert killed
+    assert [r.as_tuple() for r in disturbed] == [r.as_tuple() for r in undisturbed]
+    failures = [e for e in events if isinstance(e, EpisodeFailed)]
+    assert [(f.index, f.attempt, f.retrying) for f in failures] == [(1, 1, True)]
+    retried = [e for e in events if isinstance(e, EpisodeStarted) and e.index == 1]
+    assert [e.attempt for e in retried] == [1, 2]
+    assert retried[1].worker != killed[0]
+    await wait_no_children(before)
+
+
+async def test_worker_dying_every_time_is_reported_after_retries(env: Any) -> None:
+    def kill_every_start(event: Any) -> None:
+        if isinstance(event, EpisodeStarted) and event.index == 0:
+            os.kill(event.worker, signal.SIGKILL)
+
+    async with AsyncRunner(env, agent=DoNothingAgent, workers=1, retries=1) as runner:
+        results = await runner.run(
+            2, max_iter=300, on_error="continue", sinks=[CallbackSink(kill_every_start)]
+        )
+    error = results[0].error
+    assert error is not None and error.attempt == 2 and "died" in error.message
+    assert results[1].error is None and results[1].nb_time_step == 300
+
+
+async def test_episode_timeout_stops_a_hanging_agent(env: Any) -> None:
+    before = children()
+    async with AsyncRunner(env, agent=Hangs, workers=2) as runner:
+        with anyio.fail_after(120):
+            results = await runner.run(**KWARGS, episode_timeout=5, on_error="continue")
+        error = results[1].error
+        assert error is not None and error.error_type == "EpisodeTimeout"
+        assert results[0].nb_time_step == results[2].nb_time_step == 20
+    await wait_no_children(before)
+
+
+@pytest.mark.parametrize("point", ["EpisodeStarted", "StepBatch", "written"])
+async def test_cancelling_a_run_stops_workers_and_keeps_finished_episodes(
+    env: Any, tmp_path: Any, point: str
+) -> None:
+    from grid2op.Episode import EpisodeData
+
+    from asyncrunner.sinks import EpisodeDataWriter
+
+    before = children()
+    writer = EpisodeDataWriter(tmp_path)
+    runner = AsyncRunner(env, agent=DoNothingAgent, workers=2)
+    with anyio.CancelScope() as scope:
+
+        def cancel_at_point(event: Any) -> None:
+            # "written": the first event after an episode is on disk, others still in flight.
+            if type(event).__name__ == point or (point == "written" and writer.paths):
+                scope.cancel()
+
+        await runner.run(4, max_iter=200, sinks=[writer, CallbackSink(cancel_at_point)])
+    assert scope.cancelled_caught
+    await runner.aclose()
+    await wait_no_children(before)
+    listed = EpisodeData.list_episode(str(tmp_path))
+    if point == "written":
+        assert len(listed) >= 1
+    else:
+        assert listed == []
+    for folder, name in listed:
+        assert len(EpisodeData.from_disk(folder, name)) == 200
+    # Only complete episode folders remain: nothing half-written beside them.
+    leftovers = {p.name for p in tmp_path.iterdir() if p.is_dir()} - {name for _, name in listed}
+    assert leftovers == set()
+
+
+async def test_runner_close_leaves_no_worker_process(env: Any) -> None:
+    before = children()
+    async with AsyncRunner(env, agent=DoNothingAgent, workers=2) as runner:
+        await runner.run(2, max_iter=5)
+        assert len(children() - before) == 2
+    await wait_no_children(before)
+
+
+async def test_channel_rejects_strangers() -> None:
+    from asyncrunner._channel import _frame, open_channel
+
+    async with open_channel() as channel:
+        # A stranger with a wrong token: closed before anything it sends is unpickled.
+        async with await anyio.connect_unix(channel.address) as stream:
+            await stream.send(_frame(b"not-the-token 1"))
+            await stream.send(_frame(b"\x80\x05junk"))
+            with anyio.fail_after(5), pytest.raises((anyio.EndOfStream, anyio.BrokenResourceError)):
+                await stream.receive()  # the runner hung up on it
+        assert channel.rejected == 1
+        # A worker with the token gets through.
+        async with await anyio.connect_unix(channel.address) as stream:
+            await stream.send(_frame(f"{channel.token} {os.getpid()}".encode()))
+            await stream.send(_frame(pickle.dumps({"hello": "runner"})))
+            with anyio.fail_after(5):
+                assert await channel.receive.receive() == {"hello": "runner"}
+        assert channel.rejected == 1
+        assert os.getpid() in channel.pids
+        assert os.stat(os.path.dirname(channel.address)).st_mode & 0o077 == 0  # private folder
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_unusable_path_save_is_rejected_before_work(env: Any, tmp_path: Any) -> None:
+    a_file = tmp_path / "file.txt"
+    a_file.write_text("x")
+    runner = AsyncRunner(env, agent=DoNothingAgent, workers=1)
+    with pytest.raises(ValueError, match="is a file"):
+        await runner.run(1, path_save=a_file)
+    with pytest.raises(ValueError, match="cannot be created"):
+        await runner.run(1, path_save=a_file / "sub")
+    assert runner._pids == set()
+    await runner.aclose()
