@@ -103,8 +103,14 @@ class Channel:
                 if not hmac.compare_digest(token, self.token):
                     raise ValueError("bad token")
                 self.pids.add(int(pid))
-            except (TimeoutError, ValueError, anyio.IncompleteRead, anyio.EndOfStream,
-                    anyio.BrokenResourceError, UnicodeDecodeError):
+            except (
+                TimeoutError,
+                ValueError,
+                anyio.IncompleteRead,
+                anyio.EndOfStream,
+                anyio.BrokenResourceError,
+                UnicodeDecodeError,
+            ):
                 self.rejected += 1
                 return
             async with self.send.clone() as send:

@@ -7,9 +7,18 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 __all__ = ["EpisodeRequest", "chronic_names", "plan_episodes"]
 
-_RESET_KEYS = ("time serie id", "init state", "init datetime", "init ts", "max step", "thermal limit")
+_RESET_KEYS = (
+    "time serie id",
+    "init state",
+    "init datetime",
+    "init ts",
+    "max step",
+    "thermal limit",
+)
 
 
 @dataclass(frozen=True)
@@ -35,25 +44,23 @@ def chronic_names(env: Any) -> list[str] | None:
     return [os.path.basename(str(subpaths[i])) for i in order]
 
 
-def _per_episode(name: str, value: Any, nb_episode: int, broadcast: tuple[type, ...] = ()) -> list[Any]:
+def _per_episode(
+    name: str, value: Any, nb_episode: int, broadcast: tuple[type, ...] = ()
+) -> list[Any]:
     if value is None:
         return [None] * nb_episode
     if broadcast and isinstance(value, broadcast):
         return [value] * nb_episode
-    if isinstance(value, (str, bytes)) or not isinstance(value, (Sequence, *_array_types())):
-        raise TypeError(f"`{name}` must be a list with one entry per episode, got {type(value).__name__}")
-    values = list(value)
+    if isinstance(value, (str, bytes)) or not isinstance(value, (Sequence, np.ndarray)):
+        raise TypeError(
+            f"`{name}` must be a list with one entry per episode, got {type(value).__name__}"
+        )
+    values: list[Any] = [*value]
     if len(values) != nb_episode:
         raise ValueError(
             f"`{name}` has {len(values)} entries but nb_episode={nb_episode}: give exactly one per episode"
         )
     return values
-
-
-def _array_types() -> tuple[type, ...]:
-    import numpy as np
-
-    return (np.ndarray,)
 
 
 def _seed(name: str, value: Any) -> int | None:
@@ -91,13 +98,17 @@ def plan_episodes(
     if max_iter is not None and max_iter < 1 and max_iter != -1:
         raise ValueError(f"`max_iter` must be >= 1 (or -1 for no limit), got {max_iter}")
     env_s = [_seed("env_seeds", s) for s in _per_episode("env_seeds", env_seeds, nb_episode)]
-    agent_s = [_seed("agent_seeds", s) for s in _per_episode("agent_seeds", agent_seeds, nb_episode)]
+    agent_s = [
+        _seed("agent_seeds", s) for s in _per_episode("agent_seeds", agent_seeds, nb_episode)
+    ]
     ids = _per_episode("episode_id", episode_id, nb_episode)
     states = _per_episode("init_states", init_states, nb_episode, (dict, BaseAction))
     options = _per_episode("reset_options", reset_options, nb_episode, (dict,))
     for state in states:
         if state is not None and not isinstance(state, (dict, BaseAction)):
-            raise TypeError(f"`init_states` entries must be dicts or grid2op actions, got {state!r}")
+            raise TypeError(
+                f"`init_states` entries must be dicts or grid2op actions, got {state!r}"
+            )
     requests = []
     for i in range(nb_episode):
         opts = options[i]
@@ -119,8 +130,12 @@ def plan_episodes(
         ep_id = _check_id(ep_id, names)
         requests.append(
             EpisodeRequest(
-                index=i, episode_id=ep_id, env_seed=env_s[i], agent_seed=agent_s[i],
-                max_iter=None if max_iter == -1 else max_iter, init_state=states[i],
+                index=i,
+                episode_id=ep_id,
+                env_seed=env_s[i],
+                agent_seed=agent_s[i],
+                max_iter=None if max_iter == -1 else max_iter,
+                init_state=states[i],
                 reset_options=opts,
             )
         )
@@ -130,7 +145,9 @@ def plan_episodes(
 def _check_id(ep_id: Any, names: list[str] | None) -> int | str:
     if isinstance(ep_id, str):
         if names is not None and ep_id not in names:
-            raise ValueError(f"episode id {ep_id!r} is not a chronic of this env; known: {names[:10]}...")
+            raise ValueError(
+                f"episode id {ep_id!r} is not a chronic of this env; known: {names[:10]}..."
+            )
         return ep_id
     try:
         value = int(ep_id)

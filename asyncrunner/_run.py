@@ -153,9 +153,14 @@ class Run:
         elif isinstance(event, EpisodeFinished):
             self._closed.add(key)
             self.results[event.index] = EpisodeResult(
-                index=event.index, chronics_path=event.chronics_path, name=event.name,
-                cum_reward=event.cum_reward, nb_time_step=event.nb_time_step, max_ts=event.max_ts,
-                env_seed=event.env_seed, agent_seed=event.agent_seed,
+                index=event.index,
+                chronics_path=event.chronics_path,
+                name=event.name,
+                cum_reward=event.cum_reward,
+                nb_time_step=event.nb_time_step,
+                max_ts=event.max_ts,
+                env_seed=event.env_seed,
+                agent_seed=event.agent_seed,
                 nb_highres_sim=event.nb_highres_sim,
             )
             self._remaining -= 1
@@ -164,9 +169,15 @@ class Run:
             if not event.retrying:
                 request = self._by_index[event.index]
                 self.results[event.index] = EpisodeResult(
-                    index=event.index, chronics_path=None, name=None, cum_reward=0.0,
-                    nb_time_step=event.step, max_ts=0, env_seed=request.env_seed,
-                    agent_seed=request.agent_seed, error=event,
+                    index=event.index,
+                    chronics_path=None,
+                    name=None,
+                    cum_reward=0.0,
+                    nb_time_step=event.step,
+                    max_ts=0,
+                    env_seed=request.env_seed,
+                    agent_seed=request.agent_seed,
+                    error=event,
                 )
                 self._remaining -= 1
                 if self.failure is None:
@@ -188,11 +199,19 @@ class Run:
         runner = self.runner
         for attempt in range(1, self.retries + 2):
             job = EpisodeJob(
-                address=channel.address, token=channel.token, run_id=self.run_id,
-                recipe_key=runner._recipe_key, recipe=runner._recipe_bytes, index=request.index,
-                attempt=attempt, episode_id=request.episode_id, env_seed=request.env_seed,
-                agent_seed=request.agent_seed, max_iter=request.max_iter,
-                init_state=request.init_state, reset_options=request.reset_options,
+                address=channel.address,
+                token=channel.token,
+                run_id=self.run_id,
+                recipe_key=runner._recipe_key,
+                recipe=runner._recipe_bytes,
+                index=request.index,
+                attempt=attempt,
+                episode_id=request.episode_id,
+                env_seed=request.env_seed,
+                agent_seed=request.agent_seed,
+                max_iter=request.max_iter,
+                init_state=request.init_state,
+                reset_options=request.reset_options,
                 detail=self.detail,
             )
             key = (request.index, attempt)
@@ -208,7 +227,10 @@ class Run:
                     raise TimeoutError
             except TimeoutError:
                 await self._fail(
-                    channel, request, attempt, "EpisodeTimeout",
+                    channel,
+                    request,
+                    attempt,
+                    "EpisodeTimeout",
                     f"the episode ran longer than episode_timeout={timeout}s; its worker was stopped",
                     retrying=False,
                 )
@@ -227,13 +249,23 @@ class Run:
             return
 
     async def _fail(
-        self, channel: Channel, request: EpisodeRequest, attempt: int, error_type: str,
-        message: str, retrying: bool,
+        self,
+        channel: Channel,
+        request: EpisodeRequest,
+        attempt: int,
+        error_type: str,
+        message: str,
+        retrying: bool,
     ) -> None:
         await channel.send.send(
             EpisodeFailed(
-                run_id=self.run_id, index=request.index, attempt=attempt, error_type=error_type,
-                message=message, traceback="", step=self._last_step.get(request.index, 0),
+                run_id=self.run_id,
+                index=request.index,
+                attempt=attempt,
+                error_type=error_type,
+                message=message,
+                traceback="",
+                step=self._last_step.get(request.index, 0),
                 retrying=retrying,
             )
         )

@@ -79,6 +79,9 @@ class _Cached:
         self.forecast_parameters = copy.deepcopy(env.observation_space._simulate_parameters)
         self.max_iter = env._max_iter
         self.other_reward_names = tuple(env.other_rewards)
+        # GeometricOpponent.reset() draws attack times up to the *previous* episode's length
+        # (a grid2op quirk): a fresh env has its build-time length there.
+        self.opponent_max_time = getattr(getattr(env, "_opponent", None), "_episode_max_time", None)
 
     def restore(self) -> None:
         """Undo what an episode may have left in the env (a fresh env has none of it)."""
@@ -94,6 +97,8 @@ class _Cached:
         if sim_params.to_dict() != self.forecast_parameters.to_dict():
             env.change_forecast_parameters(copy.deepcopy(self.forecast_parameters))
         env._max_iter = self.max_iter
+        if self.opponent_max_time is not None:
+            env._opponent._episode_max_time = self.opponent_max_time
         # Rewards are re-created: some keep state that their reset() leaves (AlarmReward).
         env._reward_helper = RewardHelper(env._rewardClass, logger=env.logger)
         env._reward_helper.initialize(env)
@@ -167,8 +172,16 @@ class _Batcher:
         self.last_flush = time.perf_counter()
 
     def add(
-        self, env: Any, act: Any, obs: Any, reward: float, done: bool, info: dict[str, Any],
-        attack: Any, agent_time: float, names: tuple[str, ...],
+        self,
+        env: Any,
+        act: Any,
+        obs: Any,
+        reward: float,
+        done: bool,
+        info: dict[str, Any],
+        attack: Any,
+        agent_time: float,
+        names: tuple[str, ...],
     ) -> None:
         i = self.n
         if self.detail:
@@ -204,12 +217,20 @@ class _Batcher:
         job = self.job
         self.send(
             StepBatch(
-                run_id=job.run_id, index=job.index, attempt=job.attempt, first_step=self.first_step,
-                actions=self.actions[:m].copy(), env_actions=self.env_actions[:m].copy(),
-                observations=self.observations[:m].copy(), rewards=self.rewards[:n].copy(),
-                done=self.done[:n].copy(), disc_lines=self.disc_lines[:m].copy(),
-                attacks=self.attacks[:m].copy(), legal=self.legal[:n].copy(),
-                ambiguous=self.ambiguous[:n].copy(), agent_times=self.agent_times[:n].copy(),
+                run_id=job.run_id,
+                index=job.index,
+                attempt=job.attempt,
+                first_step=self.first_step,
+                actions=self.actions[:m].copy(),
+                env_actions=self.env_actions[:m].copy(),
+                observations=self.observations[:m].copy(),
+                rewards=self.rewards[:n].copy(),
+                done=self.done[:n].copy(),
+                disc_lines=self.disc_lines[:m].copy(),
+                attacks=self.attacks[:m].copy(),
+                legal=self.legal[:n].copy(),
+                ambiguous=self.ambiguous[:n].copy(),
+                agent_times=self.agent_times[:n].copy(),
                 other_rewards=self.other_rewards[:m].copy(),
             )
         )
@@ -246,8 +267,13 @@ def run_episode(job: EpisodeJob) -> str:
         # The env may be in any state now: build a fresh one for the next episode.
         _ENVS.pop(job.recipe_key, None)
         failure = EpisodeFailed(
-            run_id=job.run_id, index=job.index, attempt=job.attempt, error_type=type(exc).__name__,
-            message=str(exc), traceback=traceback.format_exc(), step=getattr(exc, "_ar_step", step),
+            run_id=job.run_id,
+            index=job.index,
+            attempt=job.attempt,
+            error_type=type(exc).__name__,
+            message=str(exc),
+            traceback=traceback.format_exc(),
+            step=getattr(exc, "_ar_step", step),
         )
         send(failure)
         return "failed"
@@ -272,9 +298,16 @@ def _play(job: EpisodeJob, cached: _Cached, send: Any) -> int:
     max_ts = max(chronics.max_timestep(), 0)
     send(
         EpisodeStarted(
-            run_id=job.run_id, index=job.index, attempt=job.attempt,
-            chronics_path=str(chronics.get_id()), name=str(chronics.get_name()), max_ts=int(max_ts),
-            env_seed=job.env_seed, agent_seed=job.agent_seed, worker=os.getpid(), env_builds=_BUILDS,
+            run_id=job.run_id,
+            index=job.index,
+            attempt=job.attempt,
+            chronics_path=str(chronics.get_id()),
+            name=str(chronics.get_name()),
+            max_ts=int(max_ts),
+            env_seed=job.env_seed,
+            agent_seed=job.agent_seed,
+            worker=os.getpid(),
+            env_builds=_BUILDS,
             observation=obs.to_vect() if job.detail else np.empty(0, dtype=dt_float),
             parameters=env.parameters.to_dict(),
             meta={
@@ -314,7 +347,14 @@ def _play(job: EpisodeJob, cached: _Cached, send: Any) -> int:
                 time_step += 1
                 cum_reward += reward
                 batch.add(
-                    env, act, obs, reward, done, info, env._oppSpace.last_attack, end__ - beg__,
+                    env,
+                    act,
+                    obs,
+                    reward,
+                    done,
+                    info,
+                    env._oppSpace.last_attack,
+                    end__ - beg__,
                     names,
                 )
     except Exception as exc:
@@ -325,14 +365,22 @@ def _play(job: EpisodeJob, cached: _Cached, send: Any) -> int:
     batch.flush()
     send(
         EpisodeFinished(
-            run_id=job.run_id, index=job.index, attempt=job.attempt,
-            chronics_path=str(chronics.get_id()), name=str(chronics.get_name()),
-            cum_reward=float(cum_reward), nb_time_step=int(time_step), max_ts=int(max_ts),
-            env_seed=job.env_seed, agent_seed=job.agent_seed,
+            run_id=job.run_id,
+            index=job.index,
+            attempt=job.attempt,
+            chronics_path=str(chronics.get_id()),
+            name=str(chronics.get_name()),
+            cum_reward=float(cum_reward),
+            nb_time_step=int(time_step),
+            max_ts=int(max_ts),
+            env_seed=job.env_seed,
+            agent_seed=job.agent_seed,
             nb_highres_sim=int(env.nb_highres_called),
             times={
                 "Env": {
-                    "total": float(env._time_apply_act + env._time_powerflow + env._time_extract_obs),
+                    "total": float(
+                        env._time_apply_act + env._time_powerflow + env._time_extract_obs
+                    ),
                     "apply_act": float(env._time_apply_act),
                     "powerflow_computation": float(env._time_powerflow),
                     "observation_computation": float(env._time_extract_obs),

@@ -41,7 +41,7 @@ def children() -> set[int]:
 
 async def wait_no_children(before: set[int], seconds: float = 10) -> None:
     with anyio.fail_after(seconds):
-        while children() - before:
+        while children() - before:  # noqa: ASYNC110 - a process exit elsewhere has no event
             await anyio.sleep(0.05)
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import multiprocessing
 import warnings
-from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
 from typing import Any
 
@@ -52,7 +51,10 @@ async def test_parity_with_grid2op_runner(name: str, agent: type[BaseAgent], wor
     env = make_env(name)
     # More episodes than workers, one chronic played twice, seeds and max_iter given.
     kwargs: dict[str, Any] = dict(
-        nb_episode=3, max_iter=30, env_seeds=[11, 12, 13], agent_seeds=[21, 22, 23],
+        nb_episode=3,
+        max_iter=30,
+        env_seeds=[11, 12, 13],
+        agent_seeds=[21, 22, 23],
         episode_id=[0, 1, 0],
     )
     expected = grid2op_results(env, agent, **kwargs)
@@ -68,7 +70,10 @@ async def test_env_built_once_per_worker_and_reused(env: Any) -> None:
     started: list[EpisodeStarted] = []
     sink = CallbackSink(lambda e: started.append(e) if isinstance(e, EpisodeStarted) else None)
     kwargs: dict[str, Any] = dict(
-        nb_episode=6, max_iter=8, env_seeds=list(range(6)), agent_seeds=list(range(6)),
+        nb_episode=6,
+        max_iter=8,
+        env_seeds=list(range(6)),
+        agent_seeds=list(range(6)),
         episode_id=[0, 1, 2, 0, 1, 2],
     )
     async with AsyncRunner(env, agent=RandomAgent, workers=2, sinks=[sink]) as runner:
@@ -87,8 +92,12 @@ async def test_env_built_once_per_worker_and_reused(env: Any) -> None:
 async def test_thermal_limit_reset_option_does_not_leak(env: Any) -> None:
     low = env.get_thermal_limit() * 0.5
     kwargs: dict[str, Any] = dict(
-        nb_episode=3, max_iter=20, env_seeds=[1, 2, 3], agent_seeds=[4, 5, 6],
-        episode_id=[0, 1, 2], reset_options=[{"thermal limit": low}, {}, {}],
+        nb_episode=3,
+        max_iter=20,
+        env_seeds=[1, 2, 3],
+        agent_seeds=[4, 5, 6],
+        episode_id=[0, 1, 2],
+        reset_options=[{"thermal limit": low}, {}, {}],
     )
     expected = grid2op_results(env, DoNothingAgent, **kwargs)
     # One worker: the episodes after the first reuse the env that had the low limits.
@@ -154,7 +163,6 @@ async def test_leaving_a_stream_early_cancels_the_run(env: Any) -> None:
         # The runner is still usable after the cancelled run.
         again = await runner.run(1, max_iter=3)
     assert again[0].nb_time_step == 3
-
 
 
 @pytest.mark.parametrize(
