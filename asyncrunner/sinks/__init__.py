@@ -4,5 +4,7 @@ from __future__ import annotations
 
 from ._base import Sink
 from ._callback import CallbackSink
+from ._logging import LoggingSink
+from ._progress import ProgressBar
 
-__all__ = ["CallbackSink", "Sink"]
+__all__ = ["CallbackSink", "LoggingSink", "ProgressBar", "Sink"]

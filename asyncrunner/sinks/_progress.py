@@ -1,0 +1,124 @@
+"""``ProgressBar``: an episode bar and a step bar over the whole run (what ``pbar=`` adds)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .._events import (
+    EpisodeFailed,
+    EpisodeFinished,
+    EpisodeStarted,
+    Event,
+    RunFinished,
+    RunStarted,
+    StepBatch,
+)
+from ._base import Sink
+
+__all__ = ["ProgressBar"]
+
+
+class ProgressBar(Sink):
+    """Shows the run's progress: episodes done, and steps played summed over all workers.
+
+    ``pbar`` has grid2op's meanings: ``True`` for tqdm (``tqdm.auto``, so it renders in
+    Jupyter); a tqdm-like class, called with ``total=`` and ``desc=`` for both bars; or an
+    instance, used as the episode bar only (and closed at the end of the run, as grid2op does).
+    The step bar's total grows with each started episode's ``max_ts`` and shrinks to the steps
+    actually played when an episode ends early, so both bars end at their totals.
+    """
+
+    needs_steps = False
+
+    def __init__(self, pbar: Any = True) -> None:
+        if pbar is None or pbar is False:
+            raise ValueError("ProgressBar(pbar) needs True, a tqdm-like class or an instance")
+        self.pbar = pbar
+        self._episodes: Any = None
+        self._steps: Any = None
+        # (index, attempt) -> [max_ts, steps counted] of the attempts still running
+        self._running: dict[tuple[int, int], list[int]] = {}
+        self._failed = 0
+
+    def __repr__(self) -> str:
+        return f"ProgressBar({self.pbar!r})"
+
+    def _open(self, nb_episode: int) -> None:
+        pbar = self.pbar
+        if pbar is True:
+            from tqdm.auto import tqdm
+
+            self._episodes = tqdm(total=nb_episode, desc="episode", unit="ep", position=0)
+            self._steps = tqdm(total=0, desc="step", unit="step", position=1)
+        elif isinstance(pbar, type):
+            self._episodes = pbar(total=nb_episode, desc="episode")
+            self._steps = pbar(total=0, desc="step")
+        else:
+            self._episodes = pbar
+
+    async def send(self, event: Event) -> None:
+        if isinstance(event, StepBatch):
+            running = self._running.get((event.index, event.attempt))
+            if running is not None:
+                n = len(event)
+                running[1] += n
+                if self._steps is not None:
+                    self._steps.update(n)
+        elif isinstance(event, EpisodeStarted):
+            self._running[(event.index, event.attempt)] = [event.max_ts, 0]
+            self._grow(event.max_ts)
+        elif isinstance(event, EpisodeFinished):
+            max_ts, counted = self._running.pop((event.index, event.attempt), [0, 0])
+            # Game over before max_ts: the episode's share of the total is what it played.
+            self._grow(event.nb_time_step - max_ts)
+            if counted != event.nb_time_step and self._steps is not None:
+                self._steps.update(event.nb_time_step - counted)
+            if self._episodes is not None:
+                self._episodes.update(1)
+        elif isinstance(event, EpisodeFailed):
+            max_ts, counted = self._running.pop((event.index, event.attempt), [0, 0])
+            if event.retrying:
+                # The next attempt starts over and counts its steps again.
+                self._grow(-max_ts)
+                if counted and self._steps is not None:
+                    self._steps.update(-counted)
+            else:
+                self._grow(counted - max_ts)
+                self._failed += 1
+                if self._episodes is not None:
+                    if hasattr(self._episodes, "set_postfix"):
+                        self._episodes.set_postfix(failed=self._failed, refresh=False)
+                    self._episodes.update(1)
+        elif isinstance(event, RunStarted):
+            self._close()
+            self._open(event.nb_episode)
+        elif isinstance(event, RunFinished):
+            self._close()
+
+    def _grow(self, by: int) -> None:
+        bar = self._steps
+        if bar is None or not by or not hasattr(bar, "total"):
+            return
+        bar.total = (bar.total or 0) + by
+        widget = getattr(bar, "container", None)  # tqdm.notebook keeps its own copy of the total
+        if widget is not None:
+            try:
+                progress = widget.children[1]
+                progress.max = max(bar.total, 1)
+                progress.bar_style = ""
+                progress.layout.width = None
+            except (AttributeError, IndexError):
+                pass
+        if hasattr(bar, "refresh"):
+            bar.refresh()
+
+    def _close(self) -> None:
+        bars, self._episodes, self._steps = (self._episodes, self._steps), None, None
+        self._running.clear()
+        self._failed = 0
+        for bar in bars:
+            if bar is not None:
+                bar.close()
+
+    async def aclose(self) -> None:
+        self._close()

@@ -1,0 +1,412 @@
+from __future__ import annotations
+
+import dataclasses
+import logging
+import re
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any, ClassVar
+
+import anyio
+import anyio.lowlevel
+import numpy as np
+import pytest
+from grid2op.Agent import BaseAgent, DoNothingAgent
+
+from asyncrunner import (
+    AsyncRunner,
+    EpisodeFailed,
+    EpisodeFinished,
+    EpisodeStarted,
+    Event,
+    RunFinished,
+    RunStarted,
+    SinkError,
+    StepBatch,
+)
+from asyncrunner._run import SINK_BUFFER
+from asyncrunner.sinks import CallbackSink, LoggingSink, ProgressBar, Sink
+
+from .conftest import make_env
+
+pytestmark = pytest.mark.anyio
+
+TIMEOUT = 180  # generous: worker processes build their env on a shared machine
+
+
+@pytest.fixture(scope="module", params=["asyncio", "trio"])
+def anyio_backend(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+@pytest.fixture(scope="module")
+async def runner(anyio_backend: str) -> AsyncIterator[AsyncRunner]:
+    """One warm DoNothing runner per backend, shared by the tests that only watch events."""
+    env = make_env()
+    async with AsyncRunner(env, agent=DoNothingAgent, workers=2) as shared:
+        yield shared
+    env.close()
+
+
+class Recorder:
+    """A CallbackSink function that records events and lets a test wait for a count."""
+
+    def __init__(self) -> None:
+        self.events: list[Event] = []
+        self._changed = anyio.Event()
+
+    def __call__(self, event: Event) -> None:
+        self.events.append(event)
+        self._changed.set()
+        self._changed = anyio.Event()
+
+    async def wait_for(self, count: int) -> None:
+        while len(self.events) < count:
+            await self._changed.wait()
+
+
+class FakeBar:
+    """A tqdm-like class: records what a progress sink does with it."""
+
+    instances: ClassVar[list[FakeBar]] = []
+
+    def __init__(self, total: int | None = None, desc: str | None = None) -> None:
+        self.total = total
+        self.desc = desc
+        self.n = 0
+        self.totals: list[int | None] = [total]
+        self.closed = False
+        FakeBar.instances.append(self)
+
+    def update(self, n: int = 1) -> None:
+        self.n += n
+
+    def refresh(self) -> None:
+        self.totals.append(self.total)
+
+    def close(self) -> None:
+        self.closed = True
+
+
+@pytest.fixture(autouse=True)
+def _fresh_fake_bars() -> None:
+    FakeBar.instances = []
+
+
+# --- backpressure --------------------------------------------------------------------------
+
+
+class HeldSink(Sink):
+    """Holds its first event until the run can push no more, then keeps up.
+
+    Records, at each event, how many events the run has emitted (seen by ``upstream``, a faster
+    sink placed before it) that this sink has not finished handling.
+    """
+
+    def __init__(self, upstream: Recorder) -> None:
+        self.upstream = upstream
+        self.events: list[Event] = []
+        self.max_lag = 0
+        self.emitted_while_held: int | None = None
+
+    async def send(self, event: Event) -> None:
+        if self.emitted_while_held is None:
+            with anyio.fail_after(TIMEOUT):
+                await self.upstream.wait_for(SINK_BUFFER + 1)
+            # The run must now be stuck on us: give it a chance to (wrongly) push past the bound.
+            with anyio.move_on_after(1):
+                await self.upstream.wait_for(SINK_BUFFER + 3)
+            self.emitted_while_held = len(self.upstream.events)
+        self.max_lag = max(self.max_lag, len(self.upstream.events) - len(self.events))
+        self.events.append(event)
+
+
+async def test_slow_sink_applies_backpressure_and_others_get_every_event(
+    runner: AsyncRunner,
+) -> None:
+    fast = Recorder()
+    slow = HeldSink(fast)
+    nb_episode = 16  # 50 events: well over the bound
+    with anyio.fail_after(TIMEOUT):
+        results = await runner.run(nb_episode, max_iter=2, sinks=[CallbackSink(fast), slow])
+
+    assert len(fast.events) == 2 + 3 * nb_episode
+    # Bound: SINK_BUFFER queued + the one being handled + the one the fan-out gave the first sink
+    # while it waits for room in this one.
+    assert slow.emitted_while_held is not None
+    assert SINK_BUFFER + 1 <= slow.emitted_while_held <= SINK_BUFFER + 2
+    assert slow.max_lag <= SINK_BUFFER + 2
+    assert slow.events == fast.events
+    assert isinstance(fast.events[0], RunStarted) and isinstance(fast.events[-1], RunFinished)
+    assert all(r.error is None and r.nb_time_step == 2 for r in results)
+
+
+# --- CallbackSink --------------------------------------------------------------------------
+
+
+async def test_callback_sink_calls_sync_and_async_functions(runner: AsyncRunner) -> None:
+    sync_events: list[Event] = []
+    async_events: list[Event] = []
+
+    async def record(event: Event) -> None:
+        await anyio.lowlevel.checkpoint()
+        async_events.append(event)
+
+    with anyio.fail_after(TIMEOUT):
+        await runner.run(
+            2, max_iter=3, sinks=[CallbackSink(sync_events.append), CallbackSink(record)]
+        )
+
+    assert sync_events == async_events
+    assert isinstance(sync_events[0], RunStarted) and isinstance(sync_events[-1], RunFinished)
+    finished = [e for e in sync_events if isinstance(e, EpisodeFinished)]
+    assert sorted(e.index for e in finished) == [0, 1]
+    assert sum(len(e) for e in sync_events if isinstance(e, StepBatch)) == 6
+
+
+# --- LoggingSink ---------------------------------------------------------------------------
+
+
+async def test_logging_sink_logs_episode_start_and_finish_with_times(
+    runner: AsyncRunner, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="asyncrunner")
+    with anyio.fail_after(TIMEOUT):
+        results = await runner.run(2, max_iter=3, sinks=[LoggingSink()])
+
+    ours = [r for r in caplog.records if r.name == "asyncrunner"]
+    messages = [r.getMessage() for r in ours]
+    assert all(r.levelno == logging.INFO for r in ours)
+    for result in results:
+        started = [
+            m for m in messages if m.startswith(f"episode {result.index} ({result.name}) started")
+        ]
+        finished = [
+            m for m in messages if m.startswith(f"episode {result.index} ({result.name}) finished")
+        ]
+        assert len(started) == 1 and len(finished) == 1
+        assert f"cumulative reward {result.cum_reward:f}, 3/3 steps" in finished[0]
+        for part in ("Env:", "apply act:", "run pf:", "observation:", "Agent:", "Total time:"):
+            assert part in finished[0]
+    assert any(re.match(r"run \w+ finished: 2 episodes, 0 failed", m) for m in messages)
+
+
+async def test_logging_sink_uses_the_given_logger_and_level(
+    runner: AsyncRunner, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.DEBUG, logger="myapp")
+    with anyio.fail_after(TIMEOUT):
+        await runner.run(1, max_iter=2, sinks=[LoggingSink("myapp", level=logging.DEBUG)])
+
+    ours = [r for r in caplog.records if r.name == "myapp"]
+    assert any("finished" in r.getMessage() for r in ours)
+    assert all(r.levelno == logging.DEBUG for r in ours)
+
+
+# --- ProgressBar ---------------------------------------------------------------------------
+
+
+async def test_pbar_class_builds_an_episode_bar_and_a_step_bar(runner: AsyncRunner) -> None:
+    with anyio.fail_after(TIMEOUT):
+        await runner.run(3, max_iter=4, pbar=FakeBar)
+
+    episodes, steps = FakeBar.instances
+    assert (episodes.desc, episodes.total, episodes.n, episodes.closed) == ("episode", 3, 3, True)
+    assert (steps.desc, steps.total, steps.n, steps.closed) == ("step", 12, 12, True)
+    # The step total grows by max_ts as episodes start.
+    assert steps.totals[0] == 0 and steps.totals[1] == 4 and max(t or 0 for t in steps.totals) == 12
+
+
+async def test_pbar_instance_is_the_episode_bar(runner: AsyncRunner) -> None:
+    bar = FakeBar(total=3, desc="mine")
+    with anyio.fail_after(TIMEOUT):
+        await runner.run(3, max_iter=2, pbar=bar)
+
+    assert FakeBar.instances == [bar]
+    assert (bar.total, bar.n, bar.closed) == (3, 3, True)
+
+
+class NoStepsRecorder(Sink):
+    needs_steps = False
+
+    def __init__(self) -> None:
+        self.batches: list[StepBatch] = []
+
+    async def send(self, event: Event) -> None:
+        if isinstance(event, StepBatch):
+            self.batches.append(event)
+
+
+async def test_progress_and_logging_sinks_do_not_ask_for_observations(runner: AsyncRunner) -> None:
+    recorder = NoStepsRecorder()
+    with anyio.fail_after(TIMEOUT):
+        await runner.run(2, max_iter=3, pbar=FakeBar, sinks=[LoggingSink(), recorder])
+
+    assert sum(len(b) for b in recorder.batches) == 6
+    assert all(b.observations.size == 0 for b in recorder.batches)
+    assert FakeBar.instances[1].n == 6
+
+
+def _event(cls: type[Any], **given: Any) -> Any:
+    """An event with ``given`` fields; the others (which ProgressBar does not read) zeroed."""
+    values = {f.name: given.get(f.name, 0) for f in dataclasses.fields(cls)}
+    return cls(**values)
+
+
+def _batch(index: int, attempt: int, first_step: int, n: int) -> StepBatch:
+    return _event(  # type: ignore[no-any-return]
+        StepBatch, index=index, attempt=attempt, first_step=first_step, rewards=np.zeros(n)
+    )
+
+
+async def test_progress_bar_uncounts_a_retried_attempt_and_shrinks_on_game_over() -> None:
+    sink = ProgressBar(FakeBar)
+    events = [
+        _event(RunStarted, nb_episode=2),
+        _event(EpisodeStarted, index=0, attempt=1, max_ts=10),
+        _event(EpisodeStarted, index=1, attempt=1, max_ts=10),
+        _batch(0, 1, 1, 5),
+        _batch(1, 1, 1, 4),
+        _event(EpisodeFailed, index=0, attempt=1, step=5, retrying=True),
+        _event(EpisodeStarted, index=0, attempt=2, max_ts=10),
+        _batch(0, 2, 1, 10),
+        _event(EpisodeFinished, index=0, attempt=2, nb_time_step=10, max_ts=10),
+        _batch(1, 1, 5, 3),  # game over at step 7 of 10
+        _event(EpisodeFinished, index=1, attempt=1, nb_time_step=7, max_ts=10),
+    ]
+    for event in events:
+        await sink.send(event)
+
+    episodes, steps = FakeBar.instances
+    assert (episodes.total, episodes.n) == (2, 2)
+    assert (steps.total, steps.n) == (17, 17)
+    assert max(steps.totals) == 20  # the retried attempt's share was taken back
+    await sink.send(_event(RunFinished, results=()))
+    assert episodes.closed and steps.closed
+
+
+async def test_progress_bar_counts_a_failed_episode_as_done() -> None:
+    sink = ProgressBar(FakeBar)
+    for event in [
+        _event(RunStarted, nb_episode=1),
+        _event(EpisodeStarted, index=0, attempt=1, max_ts=10),
+        _batch(0, 1, 1, 3),
+        _event(EpisodeFailed, index=0, attempt=1, step=3, retrying=False),
+    ]:
+        await sink.send(event)
+    episodes, steps = FakeBar.instances
+    assert (episodes.total, episodes.n) == (1, 1)
+    assert (steps.total, steps.n) == (3, 3)
+    await sink.aclose()
+    assert episodes.closed and steps.closed
+
+
+# --- failures (own runners, run last: a failed run and a closed runner stop their workers) ---
+
+
+class ExplodingSink(Sink):
+    def __init__(self) -> None:
+        self.closed = False
+
+    def __repr__(self) -> str:
+        return "<ExplodingSink>"
+
+    async def send(self, event: Event) -> None:
+        if isinstance(event, EpisodeStarted):
+            raise ValueError("boom")
+
+    async def aclose(self) -> None:
+        self.closed = True
+
+
+async def test_failing_sink_fails_the_run_with_sink_error_naming_it(env: Any) -> None:
+    sink = ExplodingSink()
+    async with AsyncRunner(env, agent=DoNothingAgent, workers=2) as runner:
+        with anyio.fail_after(TIMEOUT), pytest.raises(SinkError, match="ExplodingSink") as info:
+            await runner.run(2, max_iter=3, sinks=[sink])
+    assert "boom" in str(info.value)
+    assert isinstance(info.value.__cause__, ValueError)
+    assert sink.closed
+
+
+class FailingAgent(BaseAgent):  # type: ignore[misc]
+    """Raises on its second action."""
+
+    def __init__(self, action_space: Any) -> None:
+        super().__init__(action_space)
+        self.calls = 0
+
+    def act(self, observation: Any, reward: float, done: bool = False) -> Any:
+        self.calls += 1
+        if self.calls == 2:
+            raise RuntimeError("agent exploded")
+        return self.action_space({})
+
+
+async def test_logging_sink_logs_failures_with_traceback(
+    env: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="asyncrunner")
+    async with AsyncRunner(env, agent=FailingAgent, workers=2) as runner:
+        with anyio.fail_after(TIMEOUT):
+            results = await runner.run(1, max_iter=5, on_error="continue", sinks=[LoggingSink()])
+
+    assert results[0].error is not None
+    errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    assert len(errors) == 1
+    assert errors[0].startswith(
+        "episode 0 (attempt 1) failed at step 1: RuntimeError: agent exploded"
+    )
+    assert "Traceback (most recent call last)" in errors[0]
+    assert errors[0].rstrip().endswith("RuntimeError: agent exploded")
+
+
+_SCRIPT = """
+import asyncio
+import warnings
+
+warnings.simplefilter("ignore")
+import grid2op
+from grid2op.Agent import DoNothingAgent
+
+from asyncrunner import AsyncRunner
+
+
+async def main():
+    kwargs = {{}}
+    try:
+        from lightsim2grid import LightSimBackend
+        kwargs["backend"] = LightSimBackend()
+    except ImportError:
+        pass
+    env = grid2op.make("l2rpn_case14_sandbox", test=True, **kwargs)
+    async with AsyncRunner(env, agent=DoNothingAgent, workers=2) as runner:
+        results = await runner.run({nb_episode}, max_iter={max_iter}, pbar=True)
+    assert [r.nb_time_step for r in results] == [{max_iter}] * {nb_episode}
+
+
+if __name__ == "__main__":
+    asyncio.run(main())
+"""
+
+_BAR = re.compile(r"(episode|step):\s+\d+%\|[^|]*\|\s*(\d+)/(\d+)")
+
+
+def test_pbar_true_in_a_script_shows_both_bars_reaching_their_totals(tmp_path: Path) -> None:
+    script = tmp_path / "run_with_pbar.py"
+    script.write_text(_SCRIPT.format(nb_episode=3, max_iter=5))
+    done = subprocess.run(
+        [sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+        cwd=tmp_path,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    last: dict[str, tuple[int, int]] = {}
+    for desc, n, total in _BAR.findall(done.stderr):
+        last[desc] = (int(n), int(total))
+    assert last == {"episode": (3, 3), "step": (15, 15)}, done.stderr
