@@ -1,0 +1,479 @@
+"""The ``asyncrunner`` command line: ``asyncrunner run`` plays episodes and prints their results.
+
+Exit status: 0 when every episode was played, 1 when one failed, 2 for bad arguments, 130 when
+interrupted. Bad arguments print one line and a hint, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib
+import importlib.util
+import os
+import sys
+import time
+import warnings
+from collections.abc import Sequence
+from typing import Any, NoReturn
+
+from ._events import EpisodeFailed, EpisodeStarted, Event
+from ._exceptions import EpisodeError
+from ._results import EpisodeResult
+from .sinks import Sink
+
+__all__ = ["main"]
+
+DEFAULT_ENV = "l2rpn_case14_sandbox"
+# grid2op checks seeds against its integer type (int32).
+_MAX_SEED = 2**31 - 1
+# Warnings grid2op prints on every run of the default env; nothing a command-line user can act on.
+_QUIET = ("You are using a development environment", "Numba cannot be loaded")
+
+
+class _Parser(argparse.ArgumentParser):
+    """Errors as one line plus a pointer to ``--help``, instead of the whole usage block."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\nTry '{self.prog} --help' for usage.\n")
+
+
+class _UsageError(Exception):
+    """A bad argument found after parsing (unknown agent, env that cannot be made, ...)."""
+
+
+def _count(minimum: int) -> Any:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
+        return value
+
+    return parse
+
+
+def _max_iter(text: str) -> int:
+    value = _count(-1)(text)
+    if value == 0:
+        raise argparse.ArgumentTypeError("must be >= 1, or -1 for no limit, got 0")
+    return int(value)
+
+
+def _build_parser() -> tuple[_Parser, _Parser]:
+    parser = _Parser(
+        prog="asyncrunner",
+        description="Run grid2op episodes concurrently in worker processes.",
+    )
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    run = commands.add_parser(
+        "run",
+        help="play episodes of an agent on an env and print their results",
+        description=(
+            "Play episodes of an agent on a grid2op env in worker processes and print one line "
+            "per episode. With no arguments: DoNothingAgent on l2rpn_case14_sandbox (test data "
+            "shipped with grid2op, no download)."
+        ),
+    )
+    run.add_argument(
+        "env",
+        nargs="?",
+        default=DEFAULT_ENV,
+        help=f"grid2op env name or path to an env folder (default: {DEFAULT_ENV})",
+    )
+    run.add_argument(
+        "--test",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help=(
+            "use the small test copy of the env shipped in grid2op's wheel (grid2op.make(..., "
+            f"test=True)); default: on for {DEFAULT_ENV}, off otherwise"
+        ),
+    )
+    run.add_argument(
+        "--backend",
+        choices=("lightsim", "pandapower"),
+        default=None,
+        help="power flow backend (default: lightsim when lightsim2grid is installed)",
+    )
+    run.add_argument(
+        "--agent",
+        default="DoNothingAgent",
+        metavar="SPEC",
+        help=(
+            "module:Name, path/to/file.py:Name, or the name of an agent in grid2op.Agent; Name "
+            "is a BaseAgent subclass or a factory (action_space) -> agent (default: DoNothingAgent)"
+        ),
+    )
+    run.add_argument(
+        "--episodes",
+        "-n",
+        type=_count(0),
+        default=None,
+        metavar="N",
+        help="how many episodes to play (default: 2, or one per --episode-id)",
+    )
+    run.add_argument(
+        "--workers",
+        "-w",
+        type=_count(1),
+        default=None,
+        metavar="N",
+        help="episodes played at once, one worker process each (default: CPU count)",
+    )
+    run.add_argument(
+        "--seed",
+        type=_count(0),
+        default=None,
+        help="derive every episode's env and agent seeds from this one (reproducible runs)",
+    )
+    run.add_argument(
+        "--max-iter",
+        type=_max_iter,
+        default=None,
+        metavar="N",
+        help="stop each episode after N steps (-1: no limit; default: the env's own)",
+    )
+    run.add_argument(
+        "--episode-id",
+        action="extend",
+        nargs="+",
+        default=None,
+        metavar="ID",
+        help="chronic to play, by index or folder name, one per episode (repeatable)",
+    )
+    run.add_argument(
+        "--save",
+        default=None,
+        metavar="DIR",
+        help="save each episode in grid2op's EpisodeData format under DIR (default: save nothing)",
+    )
+    run.add_argument(
+        "--on-error",
+        choices=("raise", "continue"),
+        default="raise",
+        help=(
+            "raise: stop at the first failed episode (default); continue: play every episode "
+            "and report failures in the table"
+        ),
+    )
+    run.add_argument(
+        "--pbar",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="show a progress bar on stderr (default: when stderr is a terminal)",
+    )
+    if _has_bench():
+        commands.add_parser(
+            "bench",
+            add_help=False,
+            help="compare with grid2op's Runner on your env and agent",
+        )
+    return parser, run
+
+
+def _has_bench() -> bool:
+    return importlib.util.find_spec("asyncrunner._bench") is not None
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``asyncrunner`` and ``python -m asyncrunner``; returns the exit status."""
+    args_list = list(sys.argv[1:] if argv is None else argv)
+    if args_list[:1] == ["bench"] and _has_bench():
+        bench = importlib.import_module("asyncrunner._bench")
+        return int(bench.main(args_list[1:]))
+    parser, run_parser = _build_parser()
+    args = parser.parse_args(args_list)
+    if args.command is None:
+        parser.error("choose a command: run")
+    try:
+        return _run_command(args, run_parser)
+    except KeyboardInterrupt:
+        print("asyncrunner: interrupted", file=sys.stderr)
+        return 130
+
+
+# --- run ---------------------------------------------------------------------------------------
+
+
+def _run_command(args: argparse.Namespace, parser: _Parser) -> int:
+    for message in _QUIET:
+        warnings.filterwarnings("ignore", message=message)
+    try:
+        settings = _Settings(args)
+    except _UsageError as exc:
+        parser.error(str(exc))
+    try:
+        results, failure, elapsed, startup = asyncio.run(settings.play())
+    finally:
+        settings.env.close()
+    _print_table(results, seeded=args.seed is not None)
+    steps = sum(r.nb_time_step for r in results)
+    failed = sum(1 for r in results if r.error is not None)
+    played = len(results) - failed
+    busy = elapsed - startup
+    rate = f", {steps / busy:.0f} steps/s after {startup:.1f} s of startup" if busy > 0 else ""
+    print(
+        f"{played}/{settings.nb_episode} episodes played, {failed} failed, "
+        f"{steps} steps in {elapsed:.1f} s{rate}"
+    )
+    if failure is not None:
+        # The episode's own traceback (the agent's or env's code): what the user needs to fix.
+        print(f"asyncrunner: {failure}", file=sys.stderr)
+    return 1 if failed else 0
+
+
+class _Settings:
+    """What ``run`` will do, checked and built before any worker starts."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        from ._plan import chronic_names, plan_episodes
+        from ._runner import AsyncRunner
+
+        agent = _load_agent(args.agent)
+        self.env = _make_env(args.env, test=args.test, backend=args.backend)
+        try:
+            names = chronic_names(self.env)
+            ids = None
+            if args.episode_id is not None:
+                ids = [_episode_id(i, names) for i in args.episode_id]
+            nb = args.episodes
+            if nb is None:
+                nb = 2 if ids is None else len(ids)
+            if ids is not None and len(ids) != nb:
+                raise _UsageError(
+                    f"--episode-id gives {len(ids)} ids but --episodes is {nb}: give one id per "
+                    "episode, or leave --episodes out"
+                )
+            env_seeds, agent_seeds = _derive_seeds(args.seed, nb)
+            self.nb_episode = nb
+            self.kwargs: dict[str, Any] = {
+                "max_iter": args.max_iter,
+                "episode_id": ids,
+                "env_seeds": env_seeds,
+                "agent_seeds": agent_seeds,
+                "on_error": args.on_error,
+            }
+            # Reject bad episode ids, seeds and counts now, with the env at hand.
+            plan_episodes(
+                nb,
+                names=names,
+                max_iter=args.max_iter,
+                env_seeds=env_seeds,
+                agent_seeds=agent_seeds,
+                episode_id=ids,
+            )
+            # Progress bars by default only where someone watches them.
+            self.kwargs["pbar"] = sys.stderr.isatty() if args.pbar is None else args.pbar
+            self.clock = _FirstEpisodeClock()
+            self.sinks: list[Sink] = [self.clock]
+            if args.save is not None:
+                # What path_save= adds, built here so an unusable folder is reported up front.
+                from .sinks import EpisodeDataWriter
+
+                self.sinks.append(EpisodeDataWriter(args.save))
+            # The constructor checks the agent can go to workers; it starts nothing.
+            self.runner = AsyncRunner(self.env, agent=agent, workers=args.workers)
+        except (ValueError, TypeError) as exc:
+            self.env.close()
+            raise _UsageError(str(exc)) from None
+        except BaseException:
+            self.env.close()
+            raise
+
+    async def play(self) -> tuple[list[EpisodeResult], Exception | None, float, float]:
+        """Results, the failure under ``--on-error raise``, wall time, time to the first episode."""
+        clock = self.clock
+        clock.start = time.perf_counter()
+        failure: Exception | None = None
+        async with self.runner as runner:
+            try:
+                results = await runner.run(self.nb_episode, sinks=self.sinks, **self.kwargs)
+            except EpisodeError as exc:
+                # What finished, plus the failed episode; the rest was cancelled.
+                failed = _failed_result(exc.failure, self.kwargs)
+                results, failure = sorted([*exc.results, failed], key=lambda r: r.index), exc
+        end = time.perf_counter()
+        first = clock.first if clock.first is not None else end
+        return results, failure, end - clock.start, first - clock.start
+
+
+def _failed_result(failure: EpisodeFailed, kwargs: dict[str, Any]) -> EpisodeResult:
+    seeds = [kwargs[k][failure.index] if kwargs[k] else None for k in ("env_seeds", "agent_seeds")]
+    return EpisodeResult(
+        index=failure.index,
+        chronics_path=None,
+        name=None,
+        cum_reward=0.0,
+        nb_time_step=failure.step,
+        max_ts=0,
+        env_seed=seeds[0],
+        agent_seed=seeds[1],
+        error=failure,
+    )
+
+
+class _FirstEpisodeClock(Sink):
+    """Notes when the first episode starts: the time before it is workers starting up."""
+
+    needs_steps = False
+
+    def __init__(self) -> None:
+        self.start = time.perf_counter()
+        self.first: float | None = None
+
+    async def send(self, event: Event) -> None:
+        if self.first is None and isinstance(event, EpisodeStarted):
+            self.first = time.perf_counter()
+
+
+def _derive_seeds(seed: int | None, nb: int) -> tuple[list[int] | None, list[int] | None]:
+    if seed is None:
+        return None, None
+    import numpy as np
+
+    # One (env, agent) pair per episode, drawn in episode order: episode i gets the same seeds
+    # whatever the number of episodes.
+    pairs = np.random.default_rng(seed).integers(0, _MAX_SEED, size=(nb, 2), endpoint=True)
+    return [int(s) for s in pairs[:, 0]], [int(s) for s in pairs[:, 1]]
+
+
+def _episode_id(text: str, names: list[str] | None) -> int | str:
+    # A chronic's folder name wins over an index: "0001" may be either.
+    if names is not None and text in names:
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        return text
+
+
+def _load_agent(spec: str) -> Any:
+    """``module:Name``, ``path/to/file.py:Name``, or a name from ``grid2op.Agent``."""
+    from grid2op.Agent import BaseAgent
+
+    if ":" not in spec:
+        import grid2op.Agent
+
+        agent = getattr(grid2op.Agent, spec, None)
+        if agent is None:
+            raise _UsageError(
+                f"--agent {spec!r}: not an agent in grid2op.Agent; use module:Name or "
+                "path/to/file.py:Name"
+            )
+    else:
+        where, _, attr = spec.rpartition(":")
+        if not where or not attr:
+            raise _UsageError(f"--agent {spec!r}: expected module:Name or path/to/file.py:Name")
+        module = _import_file(where) if where.endswith(".py") else _import_module(where)
+        agent = module
+        for part in attr.split("."):
+            agent = getattr(agent, part, None)
+            if agent is None:
+                raise _UsageError(f"--agent {spec!r}: {where} has no attribute {attr!r}")
+    if isinstance(agent, type) and not issubclass(agent, BaseAgent):
+        raise _UsageError(
+            f"--agent {spec!r}: {agent.__qualname__} is not a grid2op BaseAgent subclass"
+        )
+    if not callable(agent) and not isinstance(agent, BaseAgent):
+        raise _UsageError(
+            f"--agent {spec!r}: expected a BaseAgent subclass, instance or factory, "
+            f"got {type(agent).__name__}"
+        )
+    return agent
+
+
+def _import_module(name: str) -> Any:
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())  # as `python -m` does, so local modules are found
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as exc:
+        if exc.name is not None and (name == exc.name or name.startswith(exc.name + ".")):
+            raise _UsageError(f"--agent: no module named {name!r}") from None
+        raise
+
+
+def _import_file(path: str) -> Any:
+    if not os.path.isfile(path):
+        raise _UsageError(f"--agent: no such file {path!r}")
+    folder, stem = os.path.split(os.path.abspath(path)[: -len(".py")])
+    known = sys.modules.get(stem)
+    if known is not None and os.path.abspath(getattr(known, "__file__", "") or "") != (
+        os.path.join(folder, stem + ".py")
+    ):
+        raise _UsageError(
+            f"--agent: {path!r} has the same name as the module {stem!r} already loaded; rename it"
+        )
+    # Workers import the agent's module by name (pickle), and receive our sys.path when they start.
+    sys.path.insert(0, folder)
+    return importlib.import_module(stem)
+
+
+def _make_env(name: str, *, test: bool | None, backend: str | None) -> Any:
+    with warnings.catch_warnings():
+        for message in _QUIET:
+            warnings.filterwarnings("ignore", message=message)
+        import grid2op
+        from grid2op.Exceptions import Grid2OpException
+
+        if test is None:
+            test = name == DEFAULT_ENV
+        kwargs: dict[str, Any] = {"test": test}
+        backend_obj = _backend(backend)
+        if backend_obj is not None:
+            kwargs["backend"] = backend_obj
+        try:
+            return grid2op.make(name, **kwargs)
+        except Grid2OpException as exc:
+            text = str(exc).strip()
+            if text.startswith(type(exc).__name__):  # grid2op's errors repeat their class name
+                text = text[len(type(exc).__name__) :].strip().strip('"')
+            first = text.splitlines()[0] if text else type(exc).__name__
+            hint = "" if test else " (add --test for the copy shipped with grid2op)"
+            raise _UsageError(f"cannot make env {name!r}: {first}{hint}") from None
+
+
+def _backend(name: str | None) -> Any:
+    if name == "pandapower":
+        return None  # grid2op's default
+    try:
+        from lightsim2grid import LightSimBackend
+    except ImportError:
+        if name == "lightsim":
+            raise _UsageError(
+                "--backend lightsim needs lightsim2grid: pip install lightsim2grid"
+            ) from None
+        return None
+    return LightSimBackend()
+
+
+def _print_table(results: Sequence[EpisodeResult], *, seeded: bool) -> None:
+    header = ["index", "chronic", "steps/max", "cum reward"]
+    if seeded:
+        header += ["env seed", "agent seed"]
+    header.append("error")
+    rows = []
+    for r in results:
+        steps = f"{r.nb_time_step}/{r.max_ts if r.max_ts else '?'}"
+        row = [str(r.index), r.name or "-", steps, f"{r.cum_reward:.2f}"]
+        if seeded:
+            row += [str(r.env_seed), str(r.agent_seed)]
+        error = r.error
+        row.append("" if error is None else _one_line(f"{error.error_type}: {error.message}"))
+        rows.append(row)
+    widths = [max([len(h), *(len(row[i]) for row in rows)]) for i, h in enumerate(header)]
+    right = {0, 2, 3, 4, 5} if seeded else {0, 2, 3}
+    for row in [header, *rows]:
+        cells = [
+            cell.rjust(widths[i]) if i in right else cell.ljust(widths[i])
+            for i, cell in enumerate(row)
+        ]
+        print("  ".join(cells).rstrip())
+
+
+def _one_line(text: str, limit: int = 80) -> str:
+    line = " ".join(text.split())
+    return line if len(line) <= limit else line[: limit - 1] + "…"

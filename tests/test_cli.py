@@ -1,0 +1,151 @@
+"""The command line, run as a user runs it: in a subprocess, from a scratch working directory."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+# Small runs: a few steps of case14's test chronics, on one worker (each worker builds an env).
+SMALL = ["--episodes", "2", "--workers", "1", "--max-iter", "5"]
+
+AGENTS = """
+from grid2op.Agent import BaseAgent
+
+
+class Boom(BaseAgent):
+    def act(self, observation, reward, done=False):
+        if observation.current_step >= 2:
+            raise ValueError("boom at step 2")
+        return self.action_space({})
+
+
+class Lazy(BaseAgent):
+    def act(self, observation, reward, done=False):
+        return self.action_space({})
+"""
+
+
+def _script() -> str:
+    # The console script pip installed next to this interpreter, as a user's shell finds it.
+    here = Path(sys.executable).parent / "asyncrunner"
+    found = str(here) if here.exists() else shutil.which("asyncrunner")
+    assert found, "the `asyncrunner` console script is not installed (pip install -e .)"
+    return found
+
+
+def _run(args: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(args, cwd=cwd, capture_output=True, text=True, timeout=240)
+
+
+def _table(stdout: str) -> list[list[str]]:
+    lines = stdout.strip().splitlines()
+    assert lines[0].split()[:2] == ["index", "chronic"], stdout
+    return [line.split() for line in lines[1:-1]]
+
+
+def test_run_plays_offline_and_saves_nothing(tmp_path: Path) -> None:
+    done = _run(
+        [_script(), "run", "--episodes", "2", "--workers", "2", "--max-iter", "5"], tmp_path
+    )
+    assert done.returncode == 0, done.stderr
+    rows = _table(done.stdout)
+    assert [row[:3] for row in rows] == [["0", "0000", "5/5"], ["1", "0001", "5/5"]]
+    assert "2/2 episodes played, 0 failed, 10 steps" in done.stdout
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_python_m_runs_an_agent_from_a_file_with_derived_seeds(tmp_path: Path) -> None:
+    (tmp_path / "agents.py").write_text(AGENTS)
+    command = [sys.executable, "-m", "asyncrunner", "run", "--agent", "agents.py:Lazy"]
+    two = _run([*command, *SMALL, "--seed", "7"], tmp_path)
+    assert two.returncode == 0, two.stderr
+    header = two.stdout.splitlines()[0]
+    assert "env seed" in header and "agent seed" in header
+    rows = _table(two.stdout)
+    seeds = [s for row in rows for s in row[4:6]]
+    assert all(s.isdigit() for s in seeds) and len(set(seeds)) == 4
+    # Episode i's seeds do not depend on how many episodes run.
+    one = _run([*command, "-n", "1", "-w", "1", "--max-iter", "5", "--seed", "7"], tmp_path)
+    assert one.returncode == 0, one.stderr
+    assert _table(one.stdout) == rows[:1]
+
+
+def test_failed_episode_exits_1_with_the_agents_error(tmp_path: Path) -> None:
+    (tmp_path / "agents.py").write_text(AGENTS)
+    done = _run(
+        [_script(), "run", *SMALL, "--agent", "agents:Boom", "--on-error", "continue"], tmp_path
+    )
+    assert done.returncode == 1
+    rows = _table(done.stdout)
+    assert [row[0] for row in rows] == ["0", "1"]
+    assert all("ValueError: boom at step 2" in " ".join(row) for row in rows)
+    assert "0/2 episodes played, 2 failed" in done.stdout
+
+
+def test_failed_episode_under_raise_shows_its_traceback(tmp_path: Path) -> None:
+    (tmp_path / "agents.py").write_text(AGENTS)
+    done = _run([_script(), "run", *SMALL, "--agent", "agents:Boom"], tmp_path)
+    assert done.returncode == 1
+    assert "ValueError: boom at step 2" in done.stderr
+    assert 'agents.py", line' in done.stderr  # where the user's agent raised
+
+
+def test_save_writes_one_folder_per_episode(tmp_path: Path) -> None:
+    from grid2op.Episode import EpisodeData
+
+    done = _run([_script(), "run", *SMALL, "--save", "runs"], tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert sorted(p.name for p in (tmp_path / "runs").iterdir() if p.is_dir()) == ["0000", "0001"]
+    episodes = EpisodeData.list_episode(str(tmp_path / "runs"))
+    assert sorted(name for _, name in episodes) == ["0000", "0001"]
+
+
+BAD = {
+    "negative episodes": (["--episodes", "-1"], "--episodes"),
+    "zero workers": (["--workers", "0"], "--workers"),
+    "unknown grid2op agent": (["--agent", "NoSuchAgent"], "NoSuchAgent"),
+    "unknown module": (["--agent", "no_such_module:Agent"], "no_such_module"),
+    "missing agent file": (["--agent", "nowhere/agent.py:Agent"], "nowhere/agent.py"),
+    "not an agent": (["--agent", "os:sep"], "os:sep"),
+    "unknown env": (["--test", "no_such_env"], "no_such_env"),
+    "episode id out of range": (["--episode-id", "99"], "99"),
+    "ids and episodes disagree": (["--episode-id", "0", "1", "--episodes", "3"], "--episode-id"),
+    "save into a file": (["--save", str(ROOT / "README.md")], "README.md"),
+}
+
+
+@pytest.mark.parametrize(("args", "named"), BAD.values(), ids=BAD.keys())
+def test_bad_arguments_give_one_line_and_exit_2(
+    tmp_path: Path, args: list[str], named: str
+) -> None:
+    done = _run([_script(), "run", *args], tmp_path)
+    assert done.returncode == 2
+    assert "Traceback" not in done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 2, done.stderr
+    assert lines[0].startswith("asyncrunner run: error: ") and named in lines[0]
+    assert "asyncrunner run --help" in lines[1]
+    assert done.stdout == ""
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_no_command_points_to_run(tmp_path: Path) -> None:
+    done = _run([_script()], tmp_path)
+    assert done.returncode == 2
+    assert "choose a command: run" in done.stderr
+
+
+def test_example_script_runs(tmp_path: Path) -> None:
+    script = ROOT / "examples" / "run_script.py"
+    args = ["--episodes", "2", "--workers", "1", "--max-iter", "3"]
+    done = _run([sys.executable, str(script), *args], tmp_path)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert len(lines) == 2
+    for i, line in enumerate(lines):
+        assert line.startswith(f"episode {i}: chronic 000{i}, 3/3 steps, reward ")
