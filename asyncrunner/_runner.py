@@ -209,6 +209,7 @@ class AsyncRunner(AsyncResource):
         episode_timeout: float | None,
         retries: int | None,
         streaming: bool,
+        resume: bool = False,
     ) -> Run:
         self._check_open()
         requests = plan_episodes(
@@ -230,6 +231,13 @@ class AsyncRunner(AsyncResource):
                     f"sinks must be asyncrunner.sinks.Sink instances, got {type(sink).__name__}; "
                     "wrap a function in CallbackSink(fn)"
                 )
+        skipped: list[EpisodeResult] = []
+        if resume:
+            if path_save is None:
+                raise ValueError("`resume=True` needs `path_save`: the folder to resume")
+            from .sinks._episode_data import resume_plan
+
+            requests, skipped = resume_plan(requests, path_save, self._names)
         all_sinks = [*self.sinks, *sinks]
         if path_save is not None:
             from .sinks import EpisodeDataWriter
@@ -242,7 +250,7 @@ class AsyncRunner(AsyncResource):
         detail = streaming or any(getattr(s, "needs_steps", True) for s in all_sinks)
         return Run(
             self, requests, sinks=all_sinks, on_error=on_error,  # type: ignore[arg-type]
-            retries=retries, episode_timeout=episode_timeout, detail=detail,
+            retries=retries, episode_timeout=episode_timeout, detail=detail, skipped=skipped,
         )
 
     async def run(
@@ -261,18 +269,22 @@ class AsyncRunner(AsyncResource):
         on_error: Literal["raise", "continue"] = "raise",
         episode_timeout: float | None = None,
         retries: int | None = None,
+        resume: bool = False,
     ) -> list[EpisodeResult]:
         """Play ``nb_episode`` episodes; returns one ``EpisodeResult`` each, in request order.
 
         Arguments shared with ``grid2op.Runner.Runner.run`` mean the same. ``on_error="raise"``
         stops at the first failed episode and raises ``EpisodeError`` (finished episodes stay
         saved); ``"continue"`` plays every episode and reports failures in ``result.error``.
+        ``resume=True`` (with ``path_save``) skips the episodes already saved complete there
+        (same chronic, seeds and ``max_iter``) and returns their results as read from disk.
         """
         run = self._prepare(
             nb_episode, path_save=path_save, max_iter=max_iter, pbar=pbar, env_seeds=env_seeds,
             agent_seeds=agent_seeds, episode_id=episode_id, init_states=init_states,
             reset_options=reset_options, sinks=sinks, on_error=on_error,
             episode_timeout=episode_timeout, retries=retries, streaming=False,
+            resume=resume,
         )
         with _unwrapped():
             return await run.execute()
@@ -294,6 +306,7 @@ class AsyncRunner(AsyncResource):
         on_error: Literal["raise", "continue"] = "raise",
         episode_timeout: float | None = None,
         retries: int | None = None,
+        resume: bool = False,
     ) -> AsyncIterator[AsyncIterator[Event]]:
         """Like ``run``, as an async context manager giving the events as they happen.
 
@@ -304,6 +317,7 @@ class AsyncRunner(AsyncResource):
             agent_seeds=agent_seeds, episode_id=episode_id, init_states=init_states,
             reset_options=reset_options, sinks=sinks, on_error=on_error,
             episode_timeout=episode_timeout, retries=retries, streaming=True,
+            resume=resume,
         )
         send, receive = anyio.create_memory_object_stream[Event](16)
 

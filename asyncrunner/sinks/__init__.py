@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from ._base import Sink
 from ._callback import CallbackSink
-from ._logging import LoggingSink
-from ._progress import ProgressBar
+from ._compact import CompactEpisodeWriter
+from ._episode_data import EpisodeDataWriter
 
-__all__ = ["CallbackSink", "LoggingSink", "ProgressBar", "Sink"]
+__all__ = ["CallbackSink", "CompactEpisodeWriter", "EpisodeDataWriter", "Sink"]

@@ -1,0 +1,127 @@
+"""``CompactEpisodeWriter``: saves episodes in grid2op's ``CompactEpisodeData`` format."""
+
+from __future__ import annotations
+
+import errno
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from .._events import EpisodeFinished, EpisodeStarted
+from ._episode_data import SPACE_FILES, _dump_json, _EpisodeBuffer, _Writer
+
+__all__ = ["CompactEpisodeWriter"]
+
+# grid2op's CompactEpisodeData keeps its files in this sub-folder of ``path_save``.
+COMPACT_FOLDER = "CompactEpisodeData"
+_NO_LIMIT = int(np.iinfo(np.int32).max)  # env.max_episode_duration() of an endless episode
+# os.link errors meaning "this file system has no hard links".
+_NO_LINKS = {errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV, errno.EMLINK}
+
+
+class CompactEpisodeWriter(_Writer):
+    """Saves each finished episode as grid2op's ``CompactEpisodeData`` in ``path``.
+
+    What ``grid2op.Runner.Runner(..., use_compact_episode_data=True).run(path_save=path)`` writes:
+    ``path/CompactEpisodeData/`` with the four ``dict_*_space.json`` (kept if already there) and,
+    per episode, ``<name>_metadata.json`` and ``<name>.npz``; it loads with
+    ``CompactEpisodeData.from_disk(path, name)`` and is listed by
+    ``CompactEpisodeData.list_episode(Path(path, "CompactEpisodeData"))``. (The metadata's
+    ``game_over_timestep`` is the episode's maximum length, as grid2op records it;
+    ``nb_timestep_played`` is the steps played.)
+
+    Both files are written under hidden temporary names and moved into place, the ``.npz`` last,
+    so an episode is listed only once complete. Nothing is overwritten: ``<name>`` is the
+    chronic's name unless taken (by an earlier run or the same chronic played earlier in this
+    run), then ``<name>_<k>`` with the smallest free ``k >= 1``.
+
+    ``paths`` maps each saved episode's request index to its ``.npz`` file.
+    """
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        super().__init__(path)
+        self.folder = os.path.join(self.path, COMPACT_FOLDER)
+
+    def _capacity(self, started: EpisodeStarted) -> int:
+        duration = started.max_episode_duration
+        return duration if 0 < duration < _NO_LIMIT else 0
+
+    def _write_spaces(self, spaces: Mapping[str, Any]) -> None:
+        self._write_json_once(self.folder, spaces, SPACE_FILES)
+
+    def _write_episode(self, buffer: _EpisodeBuffer, finished: EpisodeFinished) -> str:
+        started = buffer.started
+        os.makedirs(self.folder, exist_ok=True)
+        arrays = buffer.arrays()
+        names = list(started.other_reward_names)
+        order = sorted(range(len(names)), key=names.__getitem__)
+        duration = int(started.max_episode_duration)
+        meta = {
+            "chronics_path": started.name,
+            "chronics_max_timestep": duration,
+            "game_over_timestep": duration,
+            "other_reward_names": [names[i] for i in order],
+            "grid_path": started.meta["grid_path"],
+            "backend_type": started.meta["backend_type"],
+            "env_type": started.meta["env_type"],
+            "env_seed": None if started.env_seed is None else int(started.env_seed),
+            "agent_seed": started.action_space_seed,
+            "nb_timestep_played": int(finished.nb_time_step),
+            "cumulative_reward": buffer.cum_reward64,
+        }
+        data = {
+            "actions": arrays["actions"].astype(np.float16),
+            "env_actions": arrays["env_actions"],
+            "attacks": arrays["attacks"],
+            "observations": arrays["observations"],
+            "rewards": arrays["rewards"],
+            "other_rewards": arrays["other_rewards"][:, order].astype(np.float32),
+            "disc_lines": arrays["disc_lines"],
+            "times": arrays["times"],
+            "legal": arrays["legal"],
+            "ambiguous": arrays["ambiguous"],
+        }
+        tmp_meta = self._new_tmp(self.folder, ".json.part")
+        tmp_npz = self._new_tmp(self.folder, ".npz.part")
+        try:
+            _dump_json(tmp_meta, meta)
+            with open(tmp_npz, "wb") as f:  # a file object: numpy adds no ".npz" suffix
+                np.savez_compressed(f, **data)  # type: ignore[arg-type]
+            return self._move_into_place(tmp_meta, tmp_npz, started.name)
+        finally:
+            self._remove([tmp_meta, tmp_npz])
+
+    def _move_into_place(self, tmp_meta: str, tmp_npz: str, name: str) -> str:
+        k = 0
+        while True:
+            candidate = name if k == 0 else f"{name}_{k}"
+            k += 1
+            meta_path = os.path.join(self.folder, f"{candidate}_metadata.json")
+            npz_path = os.path.join(self.folder, f"{candidate}.npz")
+            if not self._reserve_name(candidate) or os.path.lexists(npz_path):
+                continue
+            if not _place(tmp_meta, meta_path):
+                continue
+            if not _place(tmp_npz, npz_path):  # the .npz last: it makes the episode visible
+                os.unlink(meta_path)
+                continue
+            return npz_path
+
+
+def _place(tmp: str, target: str) -> bool:
+    """Move ``tmp`` to ``target`` unless ``target`` exists (never replacing it)."""
+    try:
+        os.link(tmp, target)
+    except FileExistsError:
+        return False
+    except OSError as exc:  # no hard links on this file system
+        if exc.errno not in _NO_LINKS:
+            raise
+        if os.path.lexists(target):
+            return False
+        os.replace(tmp, target)
+        return True
+    os.unlink(tmp)
+    return True

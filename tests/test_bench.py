@@ -1,0 +1,242 @@
+"""``asyncrunner bench`` runs on a tiny workload and its JSON has every documented field.
+
+No timing is asserted: benchmarks are not tests.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+
+TIMING = {
+    "seconds": float,
+    "episodes": int,
+    "steps": int,
+    "steps_per_s": float,
+    "episodes_per_s": float,
+}
+LAG = {"p50": float, "p99": float, "max": float, "samples": int}
+RUNS = ("cold", "warm", "warm_no_sinks", "warm_all_sinks")
+
+
+def _bench(*args: str) -> tuple[subprocess.CompletedProcess[str], dict[str, Any]]:
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "asyncrunner",
+            "bench",
+            "--episodes",
+            "2",
+            "--workers",
+            "2",
+            "--max-iter",
+            "10",
+            "--json",
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert done.returncode == 0, done.stderr
+    return done, json.loads(done.stdout)
+
+
+def _check_timing(part: dict[str, Any], episodes: int, steps: int) -> None:
+    for key, kind in TIMING.items():
+        assert isinstance(part[key], kind), (key, part[key])
+    assert part["episodes"] == episodes
+    assert part["steps"] == steps
+    assert part["seconds"] > 0 and part["steps_per_s"] > 0 and part["episodes_per_s"] > 0
+
+
+@pytest.fixture(scope="module")
+def report() -> dict[str, Any]:
+    return _bench("--episodes", "2", "--workers", "2", "--max-iter", "10")[1]
+
+
+def test_config(report: dict[str, Any]) -> None:
+    assert list(report) == [
+        "version",
+        "config",
+        "lag_probe",
+        "bare_loop",
+        "grid2op",
+        "asyncrunner",
+        "ratios",
+        "streaming_cost",
+        "agreement",
+        "errors",
+        "memory",
+    ]
+    assert report["version"] == 1
+    cfg = report["config"]
+    assert cfg["env"] == "l2rpn_case14_sandbox" and cfg["test"] is True
+    assert isinstance(cfg["backend"], str) and "_" not in cfg["backend"]
+    assert cfg["agent"] == "DoNothingAgent"
+    assert (cfg["episodes"], cfg["workers"], cfg["max_iter"], cfg["seed"]) == (2, 2, 10, 0)
+    assert cfg["loop"] == "asyncio"
+    assert cfg["episode_ids"] == [0, 1]
+    for key in ("env_seeds", "agent_seeds"):
+        assert len(cfg[key]) == 2 and all(isinstance(s, int) for s in cfg[key])
+    assert isinstance(cfg["cpu_count"], int)
+    assert set(cfg["versions"]) == {"python", "grid2op", "lightsim2grid", "anyio", "asyncrunner"}
+    assert isinstance(cfg["versions"]["grid2op"], str)
+
+
+def test_no_errors(report: dict[str, Any]) -> None:
+    assert report["errors"] == {"grid2op": None, "asyncrunner": None}
+
+
+def test_lag_probe(report: dict[str, Any]) -> None:
+    probe = report["lag_probe"]
+    assert probe["enabled"] is True and probe["tick_ms"] == 1.0
+    assert isinstance(probe["cpu_us_per_wakeup"], float) and probe["cpu_us_per_wakeup"] > 0
+
+
+def test_contenders(report: dict[str, Any]) -> None:
+    # DoNothing on case14 lasts the 10 steps of max_iter: the same work for every contender.
+    _check_timing(report["bare_loop"], 2, 20)
+    _check_timing(report["grid2op"], 2, 20)
+    assert report["grid2op"]["nb_process"] == 2
+    assert set(report["asyncrunner"]) == set(RUNS)
+    for name in RUNS:
+        part = report["asyncrunner"][name]
+        _check_timing(part, 2, 20)
+        lag = part["loop_lag_ms"]
+        assert set(lag) == set(LAG)
+        assert lag["samples"] > 0
+        for key, kind in LAG.items():
+            assert isinstance(lag[key], kind), (name, key, lag[key])
+        assert 0 <= lag["p50"] <= lag["p99"] <= lag["max"]
+        assert isinstance(part["parent_cpu_s"], float) and part["parent_cpu_s"] >= 0
+        assert isinstance(part["parent_cpu_us_per_step"], float)
+        if name == "warm_no_sinks":
+            assert part["first_step_s"] is None and part["first_step_max_s"] is None
+        else:
+            firsts = part["first_step_s"]
+            assert 1 <= len(firsts) <= 2 and all(isinstance(t, float) and t > 0 for t in firsts)
+            assert part["first_step_max_s"] == max(firsts)
+    sinks = report["asyncrunner"]["warm_all_sinks"]["sinks"]
+    assert {"EpisodeDataWriter", "ProgressBar", "LoggingSink", "CallbackSink"} <= set(sinks)
+
+
+def test_figures(report: dict[str, Any]) -> None:
+    ratios = report["ratios"]
+    assert set(ratios) == {
+        "cold_vs_grid2op",
+        "warm_vs_grid2op",
+        "cold_vs_bare",
+        "warm_vs_bare",
+        "all_sinks_vs_no_sinks",
+    }
+    assert all(isinstance(v, float) and v > 0 for v in ratios.values())
+    cost = report["streaming_cost"]
+    assert set(cost) == {
+        "sinks",
+        "no_sinks_steps_per_s",
+        "all_sinks_steps_per_s",
+        "ratio",
+        "slowdown_percent",
+    }
+    assert cost["ratio"] == ratios["all_sinks_vs_no_sinks"]
+    assert cost["sinks"] == report["asyncrunner"]["warm_all_sinks"]["sinks"]
+    assert isinstance(cost["slowdown_percent"], float)
+    agreement = report["agreement"]
+    assert agreement["steps_agree"] is True and agreement["results_agree"] is True
+    assert agreement["asyncrunner_steps"] == agreement["grid2op_steps"] == 20
+    assert agreement["bare_loop_steps"] == 20
+    assert "agree" in agreement["detail"]
+    memory = report["memory"]
+    assert set(memory) == {
+        "ru_maxrss_mb",
+        "rss_start_mb",
+        "rss_before_asyncrunner_mb",
+        "rss_after_asyncrunner_mb",
+        "peak_during_asyncrunner_mb",
+    }
+    assert isinstance(memory["ru_maxrss_mb"], float) and memory["ru_maxrss_mb"] > 0
+    for value in memory.values():
+        assert value is None or (isinstance(value, float) and value > 0)
+
+
+def test_table(report: dict[str, Any], capsys: pytest.CaptureFixture[str]) -> None:
+    from asyncrunner._bench import _print_report
+
+    _print_report(report)
+    out = capsys.readouterr().out
+    for text in (
+        "bare loop",
+        "grid2op Runner",
+        "AsyncRunner cold",
+        "AsyncRunner warm",
+        "AsyncRunner / grid2op Runner",
+        "loop lag",
+        "first step",
+        "parent CPU",
+        "streaming cost",
+        "parent memory",
+        "results: AsyncRunner and grid2op's Runner agree",
+    ):
+        assert text in out, text
+
+
+def test_skip_grid2op_no_probe_trio() -> None:
+    report = _bench(
+        "--episodes",
+        "1",
+        "--workers",
+        "1",
+        "--max-iter",
+        "5",
+        "--skip-grid2op",
+        "--no-lag-probe",
+        "--agent",
+        "RandomAgent",
+        "--loop",
+        "trio",
+    )[1]
+    assert report["config"]["loop"] == "trio" and report["config"]["agent"] == "RandomAgent"
+    assert report["grid2op"] is None
+    assert (
+        report["ratios"]["cold_vs_grid2op"] is None and report["ratios"]["warm_vs_grid2op"] is None
+    )
+    assert isinstance(report["ratios"]["warm_vs_bare"], float)
+    assert report["lag_probe"] == {"enabled": False, "tick_ms": 1.0, "cpu_us_per_wakeup": None}
+    steps = report["bare_loop"]["steps"]
+    assert 1 <= steps <= 5
+    for name in RUNS:
+        part = report["asyncrunner"][name]
+        assert part["loop_lag_ms"] is None
+        assert part["steps"] == steps  # seeded: the same random actions everywhere
+    agreement = report["agreement"]
+    assert agreement["steps_agree"] is None and agreement["grid2op_steps"] is None
+    assert agreement["asyncrunner_steps"] == steps
+    # the table copes with what is missing
+    from asyncrunner._bench import _print_report
+
+    _print_report(report)
+
+
+def test_bad_arguments() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "asyncrunner", "bench", "--workers", "0"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2
+    assert "asyncrunner bench: error" in done.stderr
+    done = subprocess.run(
+        [sys.executable, "-m", "asyncrunner", "bench", "--agent", "NoSuchAgent", "--skip-grid2op"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2
+    assert "NoSuchAgent" in done.stderr

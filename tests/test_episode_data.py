@@ -1,0 +1,445 @@
+"""The episode writers: grid2op's EpisodeData / CompactEpisodeData on disk, atomic, never
+overwriting, and ``resume``. Parity is checked against what grid2op's own Runner writes."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import anyio
+import anyio.from_thread
+import numpy as np
+import pytest
+from grid2op.Agent import BaseAgent, RandomAgent
+from grid2op.Episode import CompactEpisodeData, EpisodeData
+from grid2op.Reward import FlatReward, L2RPNReward
+from grid2op.Runner import Runner
+
+from asyncrunner import AsyncRunner
+from asyncrunner._events import (
+    EpisodeFailed,
+    EpisodeFinished,
+    EpisodeStarted,
+    Event,
+    RunStarted,
+    StepBatch,
+)
+from asyncrunner.sinks import CallbackSink, CompactEpisodeWriter, EpisodeDataWriter
+from asyncrunner.sinks._episode_data import TMP_PREFIX
+
+from .conftest import make_env
+
+pytestmark = pytest.mark.anyio
+
+SPACE_FILES = [
+    "dict_action_space.json",
+    "dict_attack_space.json",
+    "dict_env_modification_space.json",
+    "dict_observation_space.json",
+]
+ARRAY_FILES = [
+    "actions.npz",
+    "env_modifications.npz",
+    "observations.npz",
+    "rewards.npz",
+    "disc_lines_cascading_failure.npz",
+    "opponent_attack.npz",
+]
+JSON_FILES = ["_parameters.json", "episode_meta.json", "other_rewards.json", "grid2op.info"]
+COMPACT_ARRAYS = [
+    "actions",
+    "env_actions",
+    "attacks",
+    "observations",
+    "rewards",
+    "other_rewards",
+    "disc_lines",
+    "legal",
+    "ambiguous",
+]
+
+# case14 with a seeded RandomAgent: "0000" ends in a game over at step 3, "0001" plays all of
+# max_iter=4 steps, "0002" ends in a game over at its first step.
+CASE14 = dict(
+    nb_episode=3, episode_id=[0, 1, 2], env_seeds=[1, 2, 5], agent_seeds=[3, 4, 6], max_iter=4
+)
+# icaps 2021 (it has an opponent) with _SometimesRandom: "Scenario_august_21_wk1" ends in a
+# game over at step 2; "Scenario_april_17_wk1" plays 30 steps with attacks and an illegal action.
+ICAPS = dict(nb_episode=2, episode_id=[1, 0], env_seeds=[1, 2], agent_seeds=[11, 12], max_iter=30)
+
+
+class _SometimesRandom(BaseAgent):
+    """Samples a random action one step in four (cheap on a big grid, unlike RandomAgent)."""
+
+    def act(self, observation: Any, reward: float, done: bool = False) -> Any:
+        if self.space_prng.rand() < 0.25:
+            return self.action_space.sample()
+        return self.action_space()
+
+
+def _case14_env() -> Any:
+    # other rewards, named out of order: CompactEpisodeData sorts them
+    return make_env(
+        "l2rpn_case14_sandbox", other_rewards={"zeta": L2RPNReward, "alpha": FlatReward}
+    )
+
+
+def _grid2op_run(env: Any, agent: type, path: Path, compact: bool, **kwargs: Any) -> list[Any]:
+    path.mkdir(parents=True, exist_ok=True)
+    runner = Runner(
+        **env.get_params_for_runner(), agentClass=agent, use_compact_episode_data=compact
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return list(runner.run(**kwargs, path_save=str(path), add_detailed_output=not compact))
+
+
+@pytest.fixture(scope="module")
+def case14(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    """The env, and what grid2op's Runner saved for CASE14 (EpisodeData and compact)."""
+    env = _case14_env()
+    root = tmp_path_factory.mktemp("grid2op_case14")
+    res = _grid2op_run(env, RandomAgent, root / "full", False, **CASE14)
+    _grid2op_run(env, RandomAgent, root / "compact", True, **CASE14)
+    yield {"env": env, "path": root / "full", "compact": root / "compact", "res": res}
+    env.close()
+
+
+@pytest.fixture(scope="module")
+def icaps(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    env = make_env("l2rpn_icaps_2021")
+    root = tmp_path_factory.mktemp("grid2op_icaps")
+    res = _grid2op_run(env, _SometimesRandom, root / "full", False, **ICAPS)
+    _grid2op_run(env, _SometimesRandom, root / "compact", True, **ICAPS)
+    yield {"env": env, "path": root / "full", "compact": root / "compact", "res": res}
+    env.close()
+
+
+# --- helpers ------------------------------------------------------------------------------------
+
+
+def _load(path: Path, name: str) -> Any:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return EpisodeData.from_disk(str(path), name)
+
+
+def _names(path: Path) -> list[str]:
+    return [name for _, name in EpisodeData.list_episode(str(path))]
+
+
+def _json(path: Path) -> Any:
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def _array(path: Path) -> np.ndarray:
+    with np.load(path) as data:
+        assert list(data.keys()) == ["data"]
+        return np.asarray(data["data"])
+
+
+def _assert_same_array(a: np.ndarray, b: np.ndarray, what: str) -> None:
+    assert a.dtype == b.dtype, what
+    assert a.shape == b.shape, what
+    np.testing.assert_array_equal(a, b, err_msg=what, strict=True)
+
+
+def _assert_same_episode_data(ref: Path, ours: Path, reference_results: list[Any]) -> None:
+    """``ours`` holds what grid2op's Runner wrote in ``ref``, array for array (timings aside)."""
+    names = _names(ref)
+    assert names and _names(ours) == names
+    for space in SPACE_FILES:
+        assert _json(ours / space) == _json(ref / space), space
+    in_memory = {res[1]: res[5] for res in reference_results}
+    for name in names:
+        for file in ARRAY_FILES:
+            _assert_same_array(_array(ours / name / file), _array(ref / name / file), file)
+        for file in JSON_FILES:
+            assert _json(ours / name / file) == _json(ref / name / file), (name, file)
+        times = _array(ours / name / "agent_exec_times.npz")
+        ref_times = _array(ref / name / "agent_exec_times.npz")
+        assert times.dtype == ref_times.dtype and times.shape == ref_times.shape
+        np.testing.assert_array_equal(np.isnan(times), np.isnan(ref_times))
+        ep_times, ref_ep_times = (
+            _json(ours / name / "episode_times.json"),
+            _json(ref / name / "episode_times.json"),
+        )
+        assert ep_times.keys() == ref_ep_times.keys()
+        assert ep_times["Env"].keys() == ref_ep_times["Env"].keys()
+
+        # loaded back, as grid2op's tools read it
+        a, b = _load(ref, name), _load(ours, name)
+        assert len(b) == len(a) and len(b.actions) == len(a.actions) > 0
+        assert len(b.observations) == len(a.observations) == len(a.actions) + 1
+        for x, y in zip(b.actions, a.actions, strict=True):
+            assert x == y
+        for x, y in zip(b.observations, a.observations, strict=True):
+            _assert_same_array(x.to_vect(), y.to_vect(), "observation")
+        for x, y in zip(b.env_actions, a.env_actions, strict=True):
+            assert x == y
+        np.testing.assert_array_equal(b.rewards, a.rewards, strict=True)
+        np.testing.assert_array_equal(b.disc_lines, a.disc_lines, strict=True)
+        _assert_same_array(b.attacks.collection, a.attacks.collection, "attacks")
+        assert b.other_rewards == a.other_rewards and b.meta == a.meta
+        # legal / ambiguous: grid2op 1.12.6 keeps them in memory only; we save them too
+        assert b.has_legal_ambiguous
+        _assert_same_array(b.legal, in_memory[name].legal, "legal")
+        _assert_same_array(b.ambiguous, in_memory[name].ambiguous, "ambiguous")
+
+
+def _assert_same_compact(ref: Path, ours: Path) -> None:
+    ref_dir, our_dir = ref / "CompactEpisodeData", ours / "CompactEpisodeData"
+    names = sorted(n for _, n in CompactEpisodeData.list_episode(ref_dir))
+    assert names and sorted(n for _, n in CompactEpisodeData.list_episode(our_dir)) == names
+    assert sorted(p.name for p in our_dir.iterdir()) == sorted(p.name for p in ref_dir.iterdir())
+    for space in SPACE_FILES:
+        assert _json(our_dir / space) == _json(ref_dir / space), space
+    for name in names:
+        assert _json(our_dir / f"{name}_metadata.json") == _json(ref_dir / f"{name}_metadata.json")
+        with np.load(our_dir / f"{name}.npz") as x, np.load(ref_dir / f"{name}.npz") as y:
+            assert sorted(x.keys()) == sorted(y.keys())
+            for key in COMPACT_ARRAYS:
+                _assert_same_array(x[key], y[key], f"{name} {key}")
+            assert x["times"].shape == y["times"].shape and x["times"].dtype == y["times"].dtype
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            loaded = CompactEpisodeData.from_disk(ours, name)
+        assert loaded.meta["nb_timestep_played"] > 0
+        assert len(loaded.observations) == len(loaded.actions) + 1
+
+
+def _hidden(path: Path) -> list[str]:
+    return [p.name for p in path.rglob(f"{TMP_PREFIX}*")]
+
+
+class _Capture:
+    def __init__(self) -> None:
+        self.events: list[Event] = []
+
+    def __call__(self, event: Event) -> None:
+        self.events.append(event)
+
+
+# --- parity with grid2op's Runner ---------------------------------------------------------------
+
+
+async def test_case14_saves_what_grid2op_saves(case14: dict[str, Any], tmp_path: Path) -> None:
+    capture = _Capture()
+    async with AsyncRunner(case14["env"], agent=RandomAgent, workers=2) as runner:
+        results = await runner.run(
+            **CASE14,
+            path_save=tmp_path / "full",
+            sinks=[CallbackSink(capture), CompactEpisodeWriter(tmp_path / "compact")],
+        )
+    assert [r.as_tuple() for r in results] == [tuple(res[:5]) for res in case14["res"]]
+    assert [r.nb_time_step for r in results] == [3, 4, 1]  # two game overs, one full episode
+    assert [r.path for r in results] == [str(tmp_path / "full" / r.name) for r in results]
+    _assert_same_episode_data(case14["path"], tmp_path / "full", case14["res"])
+    _assert_same_compact(case14["compact"], tmp_path / "compact")
+    assert _hidden(tmp_path) == []
+
+    await _check_replays(capture.events, tmp_path)
+
+
+async def _check_replays(events: list[Event], tmp_path: Path) -> None:
+    """Feed the recorded events to writers again, with a retried attempt, an unknown length, and
+    an episode cut short by ``aclose``."""
+    reference = tmp_path / "full"
+    first = next(e for e in events if isinstance(e, EpisodeStarted))
+    index = first.index
+    own = [e for e in events if getattr(e, "index", None) == index]
+    others = [e for e in events if getattr(e, "index", None) != index]
+    run_started = next(e for e in events if isinstance(e, RunStarted))
+
+    # A failed attempt (its worker died after one batch) is dropped; the retry is saved.
+    retried = tmp_path / "retried"
+    writer = EpisodeDataWriter(retried)
+    await writer.send(run_started)
+    await writer.send(own[0])
+    await writer.send(next(e for e in own if isinstance(e, StepBatch)))
+    await writer.send(
+        EpisodeFailed(first.run_id, index, 1, "BrokenWorkerProcess", "died", "", 1, retrying=True)
+    )
+    for event in own:
+        await writer.send(dataclasses.replace(event, attempt=2))  # type: ignore[type-var]
+    for event in others:
+        if not isinstance(event, RunStarted):
+            await writer.send(event)
+    await writer.aclose()
+    assert _names(retried) == _names(reference)
+    for name in _names(reference):
+        for file in sorted(os.listdir(reference / name)):
+            if file.endswith(".npz"):
+                _assert_same_array(
+                    _array(retried / name / file), _array(reference / name / file), file
+                )
+            else:
+                assert _json(retried / name / file) == _json(reference / name / file), file
+
+    # An episode of unknown length (max_ts <= 0): arrays grow and are cut to the steps played.
+    grown = tmp_path / "grown"
+    writer = EpisodeDataWriter(grown)
+    await writer.send(run_started)
+    for event in own:
+        if isinstance(event, EpisodeStarted):
+            event = dataclasses.replace(event, max_ts=0)
+        await writer.send(event)
+    await writer.aclose()
+    finished = next(e for e in own if isinstance(e, EpisodeFinished))
+    steps = finished.nb_time_step
+    for file in ARRAY_FILES:
+        full = _array(reference / first.name / file)
+        part = _array(grown / first.name / file)
+        rows = steps + 1 if file == "observations.npz" else steps
+        _assert_same_array(part, full[:rows], file)
+    assert len(_load(grown, first.name).actions) == steps
+
+    # Closed mid-episode (a cancelled run): nothing of it is left on disk.
+    cut = tmp_path / "cut"
+    writer = EpisodeDataWriter(cut)
+    await writer.send(run_started)
+    await writer.send(own[0])
+    await writer.send(own[1])
+    await writer.aclose()
+    assert _names(cut) == [] and _hidden(cut) == []
+    assert sorted(os.listdir(cut)) == sorted(SPACE_FILES)
+
+
+async def test_opponent_env_saves_what_grid2op_saves(icaps: dict[str, Any], tmp_path: Path) -> None:
+    ref_res = icaps["res"]
+    assert [res[3] for res in ref_res] == [2, 30]  # a game over, then a full episode
+    attacked = ref_res[1][5].attacks.collection
+    assert np.abs(attacked).sum() > 0  # the opponent did attack
+    assert not ref_res[1][5].legal.all()  # and an action was illegal
+    # one worker: the second episode runs on the env the first one used (no state may leak)
+    async with AsyncRunner(icaps["env"], agent=_SometimesRandom, workers=1) as runner:
+        results = await runner.run(
+            **ICAPS, path_save=tmp_path / "full", sinks=[CompactEpisodeWriter(tmp_path / "compact")]
+        )
+    assert [r.as_tuple() for r in results] == [tuple(res[:5]) for res in ref_res]
+    _assert_same_episode_data(icaps["path"], tmp_path / "full", ref_res)
+    _assert_same_compact(icaps["compact"], tmp_path / "compact")
+
+
+# --- never overwrite ----------------------------------------------------------------------------
+
+
+async def test_same_chronic_twice_gets_two_folders(case14: dict[str, Any], tmp_path: Path) -> None:
+    kwargs: dict[str, Any] = dict(max_iter=2, path_save=tmp_path)
+    async with AsyncRunner(case14["env"], agent=RandomAgent, workers=2) as runner:
+        first = await runner.run(
+            2, episode_id=[0, 0], env_seeds=[1, 7], agent_seeds=[3, 8],
+            sinks=[CompactEpisodeWriter(tmp_path)], **kwargs,
+        )  # fmt: skip
+        before = {n: _json(tmp_path / n / "episode_meta.json") for n in _names(tmp_path)}
+        again = await runner.run(
+            1, episode_id=[0], env_seeds=[9], agent_seeds=[9],
+            sinks=[CompactEpisodeWriter(tmp_path)], **kwargs,
+        )  # fmt: skip
+    assert _names(tmp_path) == ["0000", "0000_1", "0000_2"]
+    assert sorted(r.path for r in first) == [str(tmp_path / "0000"), str(tmp_path / "0000_1")]
+    assert again[0].path == str(tmp_path / "0000_2")
+    for name, meta in before.items():  # the earlier folders are untouched
+        assert _json(tmp_path / name / "episode_meta.json") == meta
+    for result in [*first, *again]:
+        assert result.path is not None
+        loaded = _load(tmp_path, os.path.basename(result.path))
+        assert loaded.meta["env_seed"] == result.env_seed
+        assert loaded.meta["nb_timestep_played"] == result.nb_time_step == len(loaded.actions)
+    compact = tmp_path / "CompactEpisodeData"
+    assert sorted(n for _, n in CompactEpisodeData.list_episode(compact)) == [
+        "0000",
+        "0000_1",
+        "0000_2",
+    ]
+    for name in ["0000", "0000_1", "0000_2"]:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            loaded = CompactEpisodeData.from_disk(tmp_path, name)
+        assert loaded.meta["chronics_path"] == "0000"
+    assert _hidden(tmp_path) == []
+
+
+# --- cancellation and resume --------------------------------------------------------------------
+
+
+class _CancelWhileWriting(EpisodeDataWriter):
+    """Cancels the run from inside the write of the first finished episode."""
+
+    def __init__(self, path: Path, scope: anyio.CancelScope) -> None:
+        super().__init__(path)
+        self.scope = scope
+        self.written: list[str] = []
+
+    def _write_files(self, folder: str, buffer: Any, finished: EpisodeFinished) -> None:
+        super()._write_files(folder, buffer, finished)
+        if not self.written:
+            anyio.from_thread.run_sync(self.scope.cancel)
+        self.written.append(buffer.started.name)
+
+
+async def test_cancel_leaves_complete_folders_and_resume_finishes(
+    case14: dict[str, Any], tmp_path: Path
+) -> None:
+    kwargs: dict[str, Any] = dict(
+        nb_episode=3, episode_id=[0, 1, 2], env_seeds=[1, 2, 3], agent_seeds=[5, 6, 7],
+        max_iter=5,
+    )  # fmt: skip
+    async with AsyncRunner(case14["env"], agent=RandomAgent, workers=2) as runner:
+        with anyio.CancelScope() as scope:
+            writer = _CancelWhileWriting(tmp_path, scope)
+            await runner.run(**kwargs, sinks=[writer])
+        assert scope.cancelled_caught
+        # the episode being written when the run was cancelled is complete; nothing else is there
+        assert writer.written and _names(tmp_path) == writer.written
+        assert _hidden(tmp_path) == []
+        assert sorted(os.listdir(tmp_path)) == sorted([*SPACE_FILES, *writer.written])
+        saved = _load(tmp_path, writer.written[0])
+        assert len(saved.actions) == saved.meta["nb_timestep_played"] > 0
+
+        started: list[int] = []
+
+        def count(event: Event) -> None:
+            if isinstance(event, EpisodeStarted):
+                started.append(event.index)
+
+        resumed = await runner.run(
+            **kwargs, path_save=tmp_path, resume=True, sinks=[CallbackSink(count)]
+        )
+        names = ["0000", "0001", "0002"]
+        skipped = names.index(writer.written[0])
+        assert sorted(started) == [i for i in range(3) if i != skipped]  # not replayed
+        assert [r.name for r in resumed] == names and all(r.ok for r in resumed)
+        assert [r.path for r in resumed] == [str(tmp_path / n) for n in names]
+        assert resumed[skipped].nb_time_step == saved.meta["nb_timestep_played"]
+        assert resumed[skipped].cum_reward == saved.meta["cumulative_reward"]
+        assert _names(tmp_path) == names
+
+        # everything is on disk now: nothing is played, the results are read back
+        started.clear()
+        again = await runner.run(
+            **kwargs, path_save=tmp_path, resume=True, sinks=[CallbackSink(count)]
+        )
+        assert started == []
+        assert again == resumed
+        # another seed is another episode: played, saved next to the first one
+        other = await runner.run(
+            1, episode_id=[0], env_seeds=[99], agent_seeds=[5], max_iter=5, path_save=tmp_path,
+            resume=True,
+        )  # fmt: skip
+        assert other[0].path == str(tmp_path / "0000_1")
+
+
+async def test_resume_needs_path_save(case14: dict[str, Any]) -> None:
+    runner = AsyncRunner(case14["env"], agent=RandomAgent, workers=1)
+    try:
+        with pytest.raises(ValueError, match="path_save"):
+            await runner.run(1, resume=True)
+    finally:
+        await runner.aclose()
