@@ -1,7 +1,7 @@
 """asyncrunner: run grid2op episodes concurrently from asyncio.
 
-    async with AsyncRunner(env, agent=DoNothingAgent, workers=2) as runner:
-        results = await runner.run(nb_episode=4, path_save="runs/demo", pbar=True)
+async with AsyncRunner(env, agent=DoNothingAgent, workers=2) as runner:
+    results = await runner.run(nb_episode=4, path_save="runs/demo", pbar=True)
 """
 
 from __future__ import annotations

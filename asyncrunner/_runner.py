@@ -12,12 +12,12 @@ from typing import Any, Literal, TypeVar
 
 import anyio
 import anyio.to_process
-from anyio.abc import AsyncResource, TaskGroup
+from anyio.abc import AsyncResource, Process, TaskGroup
 
 from ._channel import Channel
 from ._events import Event
 from ._exceptions import AsyncRunnerError
-from ._plan import chronic_names, plan_episodes
+from ._plan import check_path_save, chronic_names, plan_episodes
 from ._results import EpisodeResult
 from ._run import Run
 from ._worker import Recipe, warm
@@ -26,6 +26,9 @@ from .sinks._base import Sink
 __all__ = ["AsyncRunner"]
 
 T = TypeVar("T")
+
+# Seconds an idle worker gets to exit on its own when the runner closes.
+_STOP_GRACE = 5.0
 
 
 def _agent_recipe(agent: Any) -> tuple[str, Any]:
@@ -144,16 +147,13 @@ class AsyncRunner(AsyncResource):
             idle = anyio.to_process._process_pool_idle_workers.get()
         except LookupError:
             return
-        for entry in list(idle):
-            process = entry[0]
-            if process.pid in self._pids:
-                idle.remove(entry)
-                workers.discard(process)
-                try:
-                    process.kill()
-                except ProcessLookupError:
-                    pass
-                await process.aclose()
+        mine = [entry for entry in idle if entry[0].pid in self._pids]
+        for entry in mine:
+            idle.remove(entry)
+            workers.discard(entry[0])
+        async with anyio.create_task_group() as group:
+            for process, _ in mine:
+                group.start_soon(_stop_process, process)
 
     def _check_open(self) -> None:
         if self._closed:
@@ -167,7 +167,9 @@ class AsyncRunner(AsyncResource):
         if self._limiter is None:
             self._limiter = anyio.CapacityLimiter(self.workers)
         if self.executor is None:
-            return await anyio.to_process.run_sync(fn, *args, cancellable=True, limiter=self._limiter)
+            return await anyio.to_process.run_sync(
+                fn, *args, cancellable=True, limiter=self._limiter
+            )
         async with self._limiter:
             future = self.executor.submit(fn, *args)
             try:
@@ -213,8 +215,13 @@ class AsyncRunner(AsyncResource):
     ) -> Run:
         self._check_open()
         requests = plan_episodes(
-            nb_episode, names=self._names, max_iter=max_iter, env_seeds=env_seeds,
-            agent_seeds=agent_seeds, episode_id=episode_id, init_states=init_states,
+            nb_episode,
+            names=self._names,
+            max_iter=max_iter,
+            env_seeds=env_seeds,
+            agent_seeds=agent_seeds,
+            episode_id=episode_id,
+            init_states=init_states,
             reset_options=reset_options,
         )
         if on_error not in ("raise", "continue"):
@@ -231,6 +238,8 @@ class AsyncRunner(AsyncResource):
                     f"sinks must be asyncrunner.sinks.Sink instances, got {type(sink).__name__}; "
                     "wrap a function in CallbackSink(fn)"
                 )
+        if path_save is not None:
+            path_save = check_path_save(path_save)
         skipped: list[EpisodeResult] = []
         if resume:
             if path_save is None:
@@ -249,8 +258,14 @@ class AsyncRunner(AsyncResource):
             all_sinks.append(ProgressBar(pbar))
         detail = streaming or any(getattr(s, "needs_steps", True) for s in all_sinks)
         return Run(
-            self, requests, sinks=all_sinks, on_error=on_error,  # type: ignore[arg-type]
-            retries=retries, episode_timeout=episode_timeout, detail=detail, skipped=skipped,
+            self,
+            requests,
+            sinks=all_sinks,
+            on_error=on_error,  # type: ignore[arg-type]
+            retries=retries,
+            episode_timeout=episode_timeout,
+            detail=detail,
+            skipped=skipped,
         )
 
     async def run(
@@ -280,10 +295,20 @@ class AsyncRunner(AsyncResource):
         (same chronic, seeds and ``max_iter``) and returns their results as read from disk.
         """
         run = self._prepare(
-            nb_episode, path_save=path_save, max_iter=max_iter, pbar=pbar, env_seeds=env_seeds,
-            agent_seeds=agent_seeds, episode_id=episode_id, init_states=init_states,
-            reset_options=reset_options, sinks=sinks, on_error=on_error,
-            episode_timeout=episode_timeout, retries=retries, streaming=False,
+            nb_episode,
+            path_save=path_save,
+            max_iter=max_iter,
+            pbar=pbar,
+            env_seeds=env_seeds,
+            agent_seeds=agent_seeds,
+            episode_id=episode_id,
+            init_states=init_states,
+            reset_options=reset_options,
+            sinks=sinks,
+            on_error=on_error,
+            episode_timeout=episode_timeout,
+            retries=retries,
+            streaming=False,
             resume=resume,
         )
         with _unwrapped():
@@ -313,10 +338,20 @@ class AsyncRunner(AsyncResource):
         Leaving the block early cancels what is left of the run.
         """
         run = self._prepare(
-            nb_episode, path_save=path_save, max_iter=max_iter, pbar=pbar, env_seeds=env_seeds,
-            agent_seeds=agent_seeds, episode_id=episode_id, init_states=init_states,
-            reset_options=reset_options, sinks=sinks, on_error=on_error,
-            episode_timeout=episode_timeout, retries=retries, streaming=True,
+            nb_episode,
+            path_save=path_save,
+            max_iter=max_iter,
+            pbar=pbar,
+            env_seeds=env_seeds,
+            agent_seeds=agent_seeds,
+            episode_id=episode_id,
+            init_states=init_states,
+            reset_options=reset_options,
+            sinks=sinks,
+            on_error=on_error,
+            episode_timeout=episode_timeout,
+            retries=retries,
+            streaming=True,
             resume=resume,
         )
         send, receive = anyio.create_memory_object_stream[Event](16)
@@ -334,13 +369,25 @@ class AsyncRunner(AsyncResource):
                     group.cancel_scope.cancel()
 
 
+async def _stop_process(process: Process) -> None:
+    # Closing its stdin ends an anyio worker cleanly (it exits on EOF, running atexit hooks);
+    # one that does not exit in time is killed.
+    if process.stdin is not None:
+        await process.stdin.aclose()
+    with anyio.move_on_after(_STOP_GRACE):
+        await process.wait()
+    if process.returncode is None:
+        process.kill()
+    await process.aclose()
+
+
 class _unwrapped:
     """Re-raise the meaningful error out of task-group exception groups (cancellation untouched)."""
 
     def __enter__(self) -> None:
         return None
 
-    def __exit__(self, typ: Any, exc: BaseException | None, tb: Any) -> bool:
+    def __exit__(self, typ: Any, exc: BaseException | None, tb: Any) -> None:
         if isinstance(exc, BaseExceptionGroup):
             leaves = _leaves(exc)
             cancelled = anyio.get_cancelled_exc_class()
@@ -348,7 +395,6 @@ class _unwrapped:
             if real:
                 ours = [e for e in real if isinstance(e, AsyncRunnerError)]
                 raise (ours or real)[0]
-        return False
 
 
 def _leaves(group: BaseException) -> list[BaseException]:

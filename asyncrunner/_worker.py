@@ -147,6 +147,20 @@ def _to_float(value: Any) -> float:
         return -float("inf")
 
 
+def _fill(row: np.ndarray, obs: Any) -> None:
+    """``row[:] = obs.to_vect()``, about twice as fast: no intermediate arrays, no checks."""
+    start = 0
+    for name in type(obs).attr_list_vect:
+        value = getattr(obs, name)
+        if isinstance(value, np.ndarray):
+            end = start + value.size
+            row[start:end] = value.ravel()
+            start = end
+        else:
+            row[start] = value
+            start += 1
+
+
 class _Batcher:
     """Preallocated rows for the next StepBatch; flushed by size or age."""
 
@@ -187,7 +201,7 @@ class _Batcher:
         if self.detail:
             self.actions[i] = act.to_vect()
             self.env_actions[i] = env._env_modification.to_vect()
-            self.observations[i] = obs.to_vect()
+            _fill(self.observations[i], obs)
             if attack is not None:
                 self.attacks[i] = attack.to_vect()
             else:

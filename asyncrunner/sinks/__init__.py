@@ -6,5 +6,14 @@ from ._base import Sink
 from ._callback import CallbackSink
 from ._compact import CompactEpisodeWriter
 from ._episode_data import EpisodeDataWriter
+from ._logging import LoggingSink
+from ._progress import ProgressBar
 
-__all__ = ["CallbackSink", "CompactEpisodeWriter", "EpisodeDataWriter", "Sink"]
+__all__ = [
+    "CallbackSink",
+    "CompactEpisodeWriter",
+    "EpisodeDataWriter",
+    "LoggingSink",
+    "ProgressBar",
+    "Sink",
+]
