@@ -6,9 +6,6 @@ import importlib
 
 import pytest
 
-import asyncrunner
-import asyncrunner.sinks
-
 PUBLIC = {
     "asyncrunner": [
         "AsyncRunner",
