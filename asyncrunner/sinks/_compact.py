@@ -11,6 +11,7 @@ import numpy as np
 
 from .._events import EpisodeFinished, EpisodeStarted
 from ._episode_data import SPACE_FILES, _dump_json, _EpisodeBuffer, _Writer
+from ._npz import save_npz
 
 __all__ = ["CompactEpisodeWriter"]
 
@@ -87,8 +88,7 @@ class CompactEpisodeWriter(_Writer):
         tmp_npz = self._new_tmp(self.folder, ".npz.part")
         try:
             _dump_json(tmp_meta, meta)
-            with open(tmp_npz, "wb") as f:  # a file object: numpy adds no ".npz" suffix
-                np.savez_compressed(f, **data)  # type: ignore[arg-type]
+            save_npz(tmp_npz, **data)
             return self._move_into_place(tmp_meta, tmp_npz, started.name)
         finally:
             self._remove([tmp_meta, tmp_npz])

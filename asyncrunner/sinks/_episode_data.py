@@ -21,6 +21,7 @@ import numpy as np
 from .._events import EpisodeFailed, EpisodeFinished, EpisodeStarted, Event, RunStarted, StepBatch
 from .._results import EpisodeResult
 from ._base import Sink
+from ._npz import save_npz
 
 if TYPE_CHECKING:
     from .._plan import EpisodeRequest
@@ -350,15 +351,15 @@ class EpisodeDataWriter(_Writer):
         _dump_json(join(folder, "episode_meta.json"), meta)
         _dump_json(join(folder, "episode_times.json"), finished.times)
         _dump_json(join(folder, "other_rewards.json"), other_rewards)
-        _save_npz(join(folder, "agent_exec_times.npz"), arrays["times"])
-        _save_npz(join(folder, "actions.npz"), arrays["actions"])
-        _save_npz(join(folder, "env_modifications.npz"), arrays["env_actions"])
-        _save_npz(join(folder, "observations.npz"), arrays["observations"])
-        _save_npz(join(folder, "opponent_attack.npz"), arrays["attacks"])
-        _save_npz(join(folder, "disc_lines_cascading_failure.npz"), arrays["disc_lines"])
-        _save_npz(join(folder, "rewards.npz"), arrays["rewards"])
+        save_npz(join(folder, "agent_exec_times.npz"), data=arrays["times"])
+        save_npz(join(folder, "actions.npz"), data=arrays["actions"])
+        save_npz(join(folder, "env_modifications.npz"), data=arrays["env_actions"])
+        save_npz(join(folder, "observations.npz"), data=arrays["observations"])
+        save_npz(join(folder, "opponent_attack.npz"), data=arrays["attacks"])
+        save_npz(join(folder, "disc_lines_cascading_failure.npz"), data=arrays["disc_lines"])
+        save_npz(join(folder, "rewards.npz"), data=arrays["rewards"])
         legal_ambiguous = np.stack((arrays["legal"], arrays["ambiguous"]), axis=1)
-        _save_npz(join(folder, "legal_ambiguous.npz"), legal_ambiguous)
+        save_npz(join(folder, "legal_ambiguous.npz"), data=legal_ambiguous)
         _dump_json(join(folder, "grid2op.info"), {"version": f"{GRID2OP_CURRENT_VERSION_STR}"})
         _dump_json(join(folder, RECORD_FILE), record)
 
@@ -393,10 +394,6 @@ def _plain(obj: Any) -> Any:
     if isinstance(obj, np.generic):
         return obj.item()
     return obj
-
-
-def _save_npz(path: str, data: np.ndarray) -> None:
-    np.savez_compressed(path, data=data)  # grid2op reads the "data" key
 
 
 # --- resume -----------------------------------------------------------------------------------
