@@ -124,6 +124,22 @@ def _build_parser() -> tuple[_Parser, _Parser]:
         help="episodes played at once, one worker process each (default: CPU count)",
     )
     run.add_argument(
+        "--scheduler",
+        default=None,
+        metavar="ADDRESS",
+        help=(
+            "play the episodes on a Dask cluster, e.g. tcp://HOST:8786 (needs asyncrunner[dask]; "
+            "its workers need asyncrunner and the agent's code installed)"
+        ),
+    )
+    run.add_argument(
+        "--dask-local",
+        type=_count(1),
+        default=None,
+        metavar="N",
+        help="play the episodes on a Dask LocalCluster of N single-threaded worker processes",
+    )
+    run.add_argument(
         "--seed",
         type=_count(0),
         default=None,
@@ -165,6 +181,11 @@ def _build_parser() -> tuple[_Parser, _Parser]:
         default=None,
         help="show a progress bar on stderr (default: when stderr is a terminal)",
     )
+    commands.add_parser(
+        "show",
+        add_help=False,
+        help="summarise a saved run (EpisodeData folders), optionally --plot FILE.png",
+    )
     if _has_bench():
         commands.add_parser(
             "bench",
@@ -181,13 +202,17 @@ def _has_bench() -> bool:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``asyncrunner`` and ``python -m asyncrunner``; returns the exit status."""
     args_list = list(sys.argv[1:] if argv is None else argv)
+    if args_list[:1] == ["show"]:
+        from ._show import main as show
+
+        return show(args_list[1:])
     if args_list[:1] == ["bench"] and _has_bench():
         bench = importlib.import_module("asyncrunner._bench")
         return int(bench.main(args_list[1:]))
     parser, run_parser = _build_parser()
     args = parser.parse_args(args_list)
     if args.command is None:
-        parser.error("choose a command: run")
+        parser.error("choose a command: run, show")
     try:
         return _run_command(args, run_parser)
     except KeyboardInterrupt:
@@ -274,8 +299,21 @@ class _Settings:
                 from .sinks import EpisodeDataWriter
 
                 self.sinks.append(EpisodeDataWriter(args.save))
+            executor = None
+            workers = args.workers
+            if args.scheduler is not None or args.dask_local is not None:
+                if args.scheduler is not None and args.dask_local is not None:
+                    raise ValueError("choose one of --scheduler and --dask-local")
+                try:
+                    from ._dask import DaskExecutor
+
+                    executor = DaskExecutor(args.scheduler, local_workers=args.dask_local)
+                except ImportError as exc:
+                    raise ValueError(str(exc)) from None
+                if workers is None and args.dask_local is not None:
+                    workers = args.dask_local
             # The constructor checks the agent can go to workers; it starts nothing.
-            self.runner = AsyncRunner(self.env, agent=agent, workers=args.workers)
+            self.runner = AsyncRunner(self.env, agent=agent, workers=workers, executor=executor)
         except (ValueError, TypeError) as exc:
             self.env.close()
             raise _UsageError(str(exc)) from None
