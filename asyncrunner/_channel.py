@@ -6,6 +6,13 @@ token, then length-prefixed pickled events. The token is checked before anything
 connections that fail the check are closed and counted in ``rejected``. The loop only ever awaits
 socket reads, so a busy worker never blocks it, and a full inbox stops the reads: the socket's
 buffer fills and the worker waits (backpressure, nothing dropped).
+
+For workers on other machines (a Dask cluster) the run listens on TCP instead
+(``open_channel(listen="tcp://HOST:PORT")``, address ``tcp://HOST:PORT``); the token check is the
+same, and comes before any unpickling. A worker may *claim* an episode attempt before playing it
+(``claim``): the first connection to claim it owns it, later ones (a task that Dask re-ran after
+its worker died) are refused, and ``Channel.drop`` closes the owner's connection, which stops the
+episode at its next send.
 """
 
 from __future__ import annotations
@@ -24,11 +31,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
-from anyio.abc import SocketStream
+from anyio.abc import SocketAttribute, SocketStream
 from anyio.streams.buffered import BufferedByteReceiveStream
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-__all__ = ["Channel", "ChannelClosed", "connect", "open_channel"]
+__all__ = ["Channel", "ChannelClosed", "claim", "connect", "open_channel"]
 
 _HEADER = struct.Struct("!Q")
 _HELLO_TIMEOUT = 10.0
@@ -40,6 +47,20 @@ class ChannelClosed(Exception):
 
 def _frame(payload: bytes) -> bytes:
     return _HEADER.pack(len(payload)) + payload
+
+
+@dataclass(frozen=True)
+class _Claim:
+    """Worker → runner: "may I play this attempt?"; answered with one byte (1 yes, 0 no)."""
+
+    key: str
+
+
+def _tcp(address: str) -> tuple[str, int] | None:
+    if not address.startswith("tcp://"):
+        return None
+    host, _, port = address[len("tcp://") :].rpartition(":")
+    return host.strip("[]"), int(port)
 
 
 # --- worker side -----------------------------------------------------------------------------
@@ -54,9 +75,14 @@ def connect(address: str, token: str) -> Callable[[Any], None]:
         if _connection is not None:
             _connection[1].close()
             _connection = None
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        tcp = _tcp(address)
+        if tcp is None:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        else:
+            sock = socket.socket(socket.AF_INET6 if ":" in tcp[0] else socket.AF_INET)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         try:
-            sock.connect(address)
+            sock.connect(address if tcp is None else tcp)
             sock.sendall(_frame(f"{token} {os.getpid()}".encode()))
         except OSError as exc:
             sock.close()
@@ -76,6 +102,27 @@ def connect(address: str, token: str) -> Callable[[Any], None]:
     return send
 
 
+def claim(address: str, token: str, key: str) -> bool:
+    """Ask the runner for attempt ``key``: True for the first connection that asks, else False."""
+    global _connection
+    connect(address, token)
+    assert _connection is not None
+    sock = _connection[1]
+    try:
+        sock.sendall(_frame(pickle.dumps(_Claim(key), protocol=5)))
+        answer = sock.recv(1)
+    except OSError as exc:
+        answer = b""
+        error: Exception | None = exc
+    else:
+        error = None
+    if not answer:
+        _connection = None
+        sock.close()
+        raise ChannelClosed(f"the runner's channel closed: {error or 'EOF'}")
+    return answer == b"\x01"
+
+
 # --- event loop side -------------------------------------------------------------------------
 
 
@@ -90,6 +137,13 @@ class Channel:
     receive: MemoryObjectReceiveStream[Any]
     rejected: int = 0
     pids: set[int] = field(default_factory=set)
+    claims: dict[str, anyio.CancelScope] = field(default_factory=dict)
+
+    def drop(self, key: str) -> None:
+        """Close the connection that claimed ``key``: its worker stops at its next send."""
+        scope = self.claims.get(key)
+        if scope is not None:
+            scope.cancel()
 
     async def _serve(self, stream: SocketStream) -> None:
         async with stream:
@@ -114,30 +168,69 @@ class Channel:
                 self.rejected += 1
                 return
             async with self.send.clone() as send:
-                while True:
-                    try:
-                        header = await buffered.receive_exactly(_HEADER.size)
-                    except (anyio.IncompleteRead, anyio.EndOfStream, anyio.BrokenResourceError):
-                        return  # the worker went away; the dispatcher notices through its call
-                    (size,) = _HEADER.unpack(header)
-                    payload = await buffered.receive_exactly(size)
-                    await send.send(pickle.loads(payload))
+                with anyio.CancelScope() as scope:
+                    while True:
+                        try:
+                            header = await buffered.receive_exactly(_HEADER.size)
+                            (size,) = _HEADER.unpack(header)
+                            payload = await buffered.receive_exactly(size)
+                        except (anyio.IncompleteRead, anyio.EndOfStream, anyio.BrokenResourceError):
+                            return  # the worker went away; the dispatcher notices through its call
+                        event = pickle.loads(payload)
+                        if isinstance(event, _Claim):
+                            mine = event.key not in self.claims
+                            if mine:
+                                self.claims[event.key] = scope
+                            try:
+                                await stream.send(b"\x01" if mine else b"\x00")
+                            except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+                                return
+                            continue
+                        await send.send(event)
 
 
 @asynccontextmanager
-async def open_channel(max_buffer: int = 64) -> AsyncIterator[Channel]:
-    """Listen for a run's workers until the block exits."""
+async def open_channel(max_buffer: int = 64, listen: str | None = None) -> AsyncIterator[Channel]:
+    """Listen for a run's workers until the block exits.
+
+    ``listen``: ``None`` for a Unix socket in a private folder (workers on this machine), or
+    ``"tcp://HOST:PORT"`` (port 0: any free one) for workers elsewhere; ``HOST`` is both where
+    the run listens and what workers connect to.
+    """
     folder = tempfile.mkdtemp(prefix="asyncrunner-")
     address = os.path.join(folder, "channel")
     send, receive = anyio.create_memory_object_stream[Any](max_buffer)
-    channel = Channel(address=address, token=secrets.token_hex(16), send=send, receive=receive)
     try:
-        listener = await anyio.create_unix_listener(address)
-        async with listener, send, receive, anyio.create_task_group() as inner:
-            inner.start_soon(listener.serve, channel._serve, inner)
-            try:
-                yield channel
-            finally:
-                inner.cancel_scope.cancel()
+        tcp = None if listen is None else _tcp(listen)
+        if listen is not None and tcp is None:
+            raise ValueError(f"`listen` must look like tcp://HOST:PORT, got {listen!r}")
+        listener: Any
+        if tcp is None:
+            listener = await anyio.create_unix_listener(address)
+        else:
+            listener = await anyio.create_tcp_listener(local_host=tcp[0], local_port=tcp[1])
+            port = listener.listeners[0].extra(SocketAttribute.local_port)
+            host = f"[{tcp[0]}]" if ":" in tcp[0] else tcp[0]
+            address = f"tcp://{host}:{port}"
+        channel = Channel(address=address, token=secrets.token_hex(16), send=send, receive=receive)
+        _OPEN[address] = channel
+        try:
+            async with listener, send, receive, anyio.create_task_group() as inner:
+                inner.start_soon(listener.serve, channel._serve, inner)
+                try:
+                    yield channel
+                finally:
+                    inner.cancel_scope.cancel()
+        finally:
+            _OPEN.pop(address, None)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
+
+
+# The channels open in this process, by address (the Dask executor drops claims through them).
+_OPEN: dict[str, Channel] = {}
+
+
+def listening(address: str) -> Channel | None:
+    """The open channel at ``address`` in this process, if any."""
+    return _OPEN.get(address)

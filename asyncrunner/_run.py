@@ -42,7 +42,13 @@ __all__ = ["Run"]
 # Events a sink may have waiting before the run waits for it (backpressure).
 SINK_BUFFER = 32
 # Errors of the dispatch machinery that mean "the worker process is gone": retried.
-_WORKER_DIED = ("BrokenWorkerProcess", "BrokenProcessPool", "ChannelClosed", "KilledWorker")
+_WORKER_DIED = (
+    "BrokenWorkerProcess",
+    "BrokenProcessPool",
+    "ChannelClosed",
+    "KilledWorker",  # Dask: the task's workers kept dying
+    "WorkerLost",  # Dask: the worker died and Dask re-ran the task (see _dask)
+)
 
 
 class Run:
@@ -83,7 +89,8 @@ class Run:
         """Play every request; returns the results in request order (raises under ``"raise"``)."""
         spaces = await self.runner._spaces() if self.detail else {}
         sink_sends: list[MemoryObjectSendStream[Event]] = []
-        async with open_channel() as channel:
+        dask = self.runner._dask
+        async with open_channel(listen=None if dask is None else dask.listen) as channel:
             self.runner._watch(channel)
             try:
                 async with anyio.create_task_group() as sink_group:

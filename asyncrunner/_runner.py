@@ -15,6 +15,7 @@ import anyio.to_process
 from anyio.abc import AsyncResource, Process, TaskGroup
 
 from ._channel import Channel
+from ._dask import as_dask
 from ._events import Event
 from ._exceptions import AsyncRunnerError
 from ._plan import check_path_save, chronic_names, plan_episodes
@@ -57,7 +58,8 @@ class AsyncRunner(AsyncResource):
     ``agent``: a ``BaseAgent`` subclass (built in the worker with the env's action space), an
     instance (copied for each episode, as grid2op does) or a picklable ``(action_space) -> agent``.
     ``workers``: episodes run at once (default: CPU count). ``executor``: ``None`` for local
-    processes through ``anyio.to_process``, or a ``concurrent.futures.Executor``.
+    processes through ``anyio.to_process``, a ``concurrent.futures.Executor``, or a Dask cluster
+    (a ``distributed.Client``, a scheduler address or an ``asyncrunner.DaskExecutor``).
     The pool lives as long as the runner: use ``async with`` or ``await runner.aclose()``.
     """
 
@@ -67,7 +69,7 @@ class AsyncRunner(AsyncResource):
         *,
         agent: Any,
         workers: int | None = None,
-        executor: concurrent.futures.Executor | None = None,
+        executor: concurrent.futures.Executor | Any | None = None,
         sinks: Sequence[Sink] = (),
         retries: int = 1,
     ) -> None:
@@ -79,9 +81,15 @@ class AsyncRunner(AsyncResource):
             workers = os.cpu_count() or 1
         if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
             raise ValueError(f"`workers` must be an integer >= 1, got {workers!r}")
-        if executor is not None and not isinstance(executor, concurrent.futures.Executor):
+        self._dask = as_dask(executor)
+        if (
+            self._dask is None
+            and executor is not None
+            and not isinstance(executor, concurrent.futures.Executor)
+        ):
             raise TypeError(
-                f"`executor` must be None or a concurrent.futures.Executor, got {type(executor).__name__}"
+                "`executor` must be None, a concurrent.futures.Executor or a Dask client, got "
+                f"{type(executor).__name__}"
             )
         if isinstance(retries, bool) or not isinstance(retries, int) or retries < 0:
             raise ValueError(f"`retries` must be an integer >= 0, got {retries!r}")
@@ -138,6 +146,9 @@ class AsyncRunner(AsyncResource):
             await self._stop_workers()
 
     async def _stop_workers(self) -> None:
+        if self._dask is not None:
+            await self._dask.aclose()  # a client or cluster it opened (yours stays open)
+            return
         if self.executor is not None:
             return  # the caller's executor: theirs to shut down
         # anyio keeps its process pool per event loop and has no public way to stop it; we stop
@@ -166,6 +177,9 @@ class AsyncRunner(AsyncResource):
     async def _call(self, fn: Callable[..., T], *args: Any) -> T:
         if self._limiter is None:
             self._limiter = anyio.CapacityLimiter(self.workers)
+        if self._dask is not None:
+            async with self._limiter:
+                return await self._dask.call(fn, *args)
         if self.executor is None:
             return await anyio.to_process.run_sync(
                 fn, *args, cancellable=True, limiter=self._limiter

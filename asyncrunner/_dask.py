@@ -1,0 +1,245 @@
+"""Episodes as Dask tasks: ``AsyncRunner(env, agent=..., executor=client)``.
+
+``executor`` may be a ``distributed.Client`` (asynchronous or not), a scheduler address
+(``"tcp://HOST:PORT"``) or a ``DaskExecutor`` (to choose where the event channel listens, or to
+start a ``LocalCluster``). Each episode is one task (``pure=False``, ``retries=0``, a key naming
+the run, episode and attempt), handed out as workers free up; Dask workers keep their process, so
+the worker-side env cache (``_worker._ENVS``) serves every episode a worker plays.
+
+Steps come back over the run's authenticated channel (``_channel``): a Unix socket when the
+scheduler is on this machine, else TCP. Exactly-once per attempt: before playing, the task claims
+its attempt on the channel; a task Dask re-runs after its worker died finds the attempt claimed
+and returns at once, and our retry loop plays a new attempt (``WorkerLost``), so a step is never
+doubled. Stopping: Dask cannot interrupt a running task, so a cancelled or timed-out episode has
+its channel connection closed; its next send fails (``ChannelClosed``) and the task ends.
+
+Awaiting: an asynchronous client's futures are awaited on the loop (asyncio only); a synchronous
+client's are waited for in a thread, which works under asyncio and trio.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import socket
+import uuid
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import anyio
+import anyio.to_thread
+
+from . import _channel
+from ._worker import EpisodeJob, run_episode
+
+__all__ = ["DaskExecutor", "WorkerLost", "as_dask"]
+
+T = TypeVar("T")
+
+_LOST = "lost"
+
+
+class WorkerLost(Exception):
+    """The Dask worker playing an attempt died (Dask re-ran the task; we retry instead)."""
+
+
+def _dask_episode(job: EpisodeJob) -> str:
+    """Runs on a Dask worker: play ``job`` unless another execution already claimed it."""
+    if not _channel.claim(job.address, job.token, _claim_key(job)):
+        return _LOST
+    return run_episode(job)
+
+
+def _claim_key(job: EpisodeJob) -> str:
+    return f"{job.run_id}/{job.index}/{job.attempt}"
+
+
+def _is_loopback(host: str) -> bool:
+    if host in ("localhost", ""):
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _host_of(address: str) -> str:
+    rest = address.split("://", 1)[-1]
+    if rest.startswith("["):
+        return rest[1 : rest.index("]")]
+    return rest.rsplit(":", 1)[0]
+
+
+def default_listen(scheduler: str) -> str | None:
+    """Where a run's channel listens for a cluster whose scheduler is at ``scheduler``.
+
+    ``None`` (a Unix socket) when the scheduler is on this machine (its workers then are too, as
+    for a ``LocalCluster``); else TCP on the interface this machine uses to reach it.
+    """
+    if scheduler.startswith("inproc://"):
+        return None
+    host = _host_of(scheduler)
+    if _is_loopback(host):
+        return None
+    port = int(scheduler.rsplit(":", 1)[1]) if scheduler.count(":") >= 2 else 8786
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((host, port))  # UDP: no packet is sent, it only picks the route
+        mine = str(s.getsockname()[0])
+    return f"tcp://[{mine}]:0" if ":" in mine else f"tcp://{mine}:0"
+
+
+class DaskExecutor:
+    """Runs episodes as tasks of a Dask cluster.
+
+    ``client``: a ``distributed.Client`` (yours: not closed here) or a scheduler address (a client
+    is opened and closed here). ``local_workers=N`` instead starts a ``LocalCluster`` of ``N``
+    single-threaded worker processes on 127.0.0.1 (closed with the runner). ``listen``: where the
+    run's event channel listens, ``"tcp://HOST:PORT"`` (``HOST`` must be reachable from the
+    workers; port 0 picks a free one); default: a Unix socket when the scheduler is on this
+    machine, else TCP on the interface that reaches the scheduler. The token sent to workers
+    authenticates the connections; use a trusted network (traffic is not encrypted).
+    """
+
+    def __init__(
+        self,
+        client: Any = None,
+        *,
+        local_workers: int | None = None,
+        listen: str | None = None,
+    ) -> None:
+        if (client is None) == (local_workers is None):
+            raise ValueError("pass a Dask client or scheduler address, or local_workers=N")
+        if local_workers is not None and (
+            isinstance(local_workers, bool)
+            or not isinstance(local_workers, int)
+            or local_workers < 1
+        ):
+            raise ValueError(f"`local_workers` must be an integer >= 1, got {local_workers!r}")
+        if isinstance(client, str) and "://" not in client and client.count(":") != 1:
+            raise ValueError(f"a Dask scheduler address looks like tcp://HOST:PORT, got {client!r}")
+        try:
+            import distributed  # noqa: F401
+        except ImportError as exc:
+            raise ImportError(
+                "running on Dask needs the distributed package: pip install 'asyncrunner[dask]'"
+            ) from exc
+        self._given = client
+        self._local_workers = local_workers
+        self._client: Any = None if isinstance(client, str) or client is None else client
+        self._cluster: Any = None
+        self._owned = self._client is None
+        self._lock: anyio.Lock | None = None
+        if listen is None and isinstance(client, str):
+            listen = default_listen(client if "://" in client else f"tcp://{client}")
+        elif listen is None and self._client is not None:
+            listen = default_listen(str(self._client.scheduler.address))
+        self.listen = listen
+
+    async def _get_client(self) -> Any:
+        if self._client is not None:
+            return self._client
+        if self._lock is None:
+            self._lock = anyio.Lock()
+        async with self._lock:
+            if self._client is not None:
+                return self._client
+            import distributed
+
+            dist: Any = distributed  # untyped calls
+            Client, LocalCluster = dist.Client, dist.LocalCluster
+
+            asyncio = _on_asyncio()
+            if self._local_workers is not None:
+                options: dict[str, Any] = dict(
+                    n_workers=self._local_workers,
+                    threads_per_worker=1,
+                    processes=True,
+                    host="127.0.0.1",
+                    dashboard_address=None,
+                )
+                if asyncio:
+                    self._cluster = await LocalCluster(asynchronous=True, **options)
+                else:
+                    self._cluster = await anyio.to_thread.run_sync(lambda: LocalCluster(**options))
+                target: Any = self._cluster
+            else:
+                target = self._given
+            if asyncio:
+                self._client = await Client(target, asynchronous=True, set_as_default=False)
+            else:
+                self._client = await anyio.to_thread.run_sync(
+                    lambda: Client(target, set_as_default=False)
+                )
+            return self._client
+
+    async def call(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run ``fn(*args)`` as a task; an episode is claimed, stopped and retried as above."""
+        client = await self._get_client()
+        claim: str | None = None
+        if fn is run_episode:
+            job: EpisodeJob = args[0]
+            claim = _claim_key(job)
+            task: Callable[..., Any] = _dask_episode
+            key = f"asyncrunner-{job.run_id}-{job.index}-{job.attempt}"
+        else:
+            task = fn
+            key = f"asyncrunner-{getattr(fn, '__name__', 'call')}-{uuid.uuid4().hex}"
+        if client.asynchronous and not _on_asyncio():
+            raise RuntimeError(
+                "an asynchronous Dask client lives on an asyncio loop: under trio, pass a "
+                "synchronous Client or the scheduler's address"
+            )
+        future = client.submit(task, *args, pure=False, key=key, retries=0)
+        done = False
+        try:
+            if client.asynchronous:
+                result = await future
+            else:
+                result = await anyio.to_thread.run_sync(future.result, abandon_on_cancel=True)
+            done = True
+        finally:
+            if not done:
+                with anyio.CancelScope(shield=True), anyio.move_on_after(5):
+                    if claim is not None:
+                        channel = _channel.listening(args[0].address)
+                        if channel is not None:
+                            channel.drop(claim)
+                    if client.asynchronous:
+                        await client.cancel([future])
+                    else:
+                        await anyio.to_thread.run_sync(future.cancel)
+        if claim is not None and result == _LOST:
+            raise WorkerLost("the Dask worker playing this episode died")
+        return result  # type: ignore[no-any-return]
+
+    async def aclose(self) -> None:
+        """Close the client and cluster opened here (a client passed in is left open)."""
+        client, self._client = self._client, None
+        cluster, self._cluster = self._cluster, None
+        if not self._owned:
+            return
+        with anyio.CancelScope(shield=True):
+            for thing in (client, cluster):
+                if thing is None:
+                    continue
+                if getattr(thing, "asynchronous", False):
+                    await thing.close()
+                else:
+                    await anyio.to_thread.run_sync(thing.close)
+
+
+def _on_asyncio() -> bool:
+    import sniffio
+
+    return sniffio.current_async_library() == "asyncio"
+
+
+def as_dask(executor: Any) -> DaskExecutor | None:
+    """``executor`` as a ``DaskExecutor`` if it is one, a Dask client or an address; else None."""
+    if isinstance(executor, DaskExecutor):
+        return executor
+    if isinstance(executor, str):
+        return DaskExecutor(executor)
+    cls = type(executor)
+    if cls.__module__.split(".")[0] == "distributed" and cls.__name__ == "Client":
+        return DaskExecutor(executor)
+    return None

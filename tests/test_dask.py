@@ -1,0 +1,227 @@
+"""Episodes on a Dask cluster: a real LocalCluster, and one started with Dask's own commands."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import anyio
+import numpy as np
+import pytest
+from grid2op.Agent import BaseAgent, DoNothingAgent, RandomAgent
+
+from asyncrunner import AsyncRunner, EpisodeFailed, EpisodeStarted, StepBatch
+from asyncrunner.sinks import CallbackSink
+
+distributed = pytest.importorskip("distributed")
+
+pytestmark = pytest.mark.anyio
+
+ROOT = Path(__file__).resolve().parent.parent
+KWARGS: dict[str, Any] = dict(
+    nb_episode=4,
+    max_iter=30,
+    env_seeds=[1, 2, 3, 4],
+    agent_seeds=[11, 12, 13, 14],
+    episode_id=[0, 1, 0, 1],
+)
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[Any]:
+    with distributed.LocalCluster(
+        n_workers=2,
+        threads_per_worker=1,
+        processes=True,
+        host="127.0.0.1",
+        dashboard_address=None,
+    ) as c:
+        yield c
+
+
+class Slow(BaseAgent):  # type: ignore[misc]
+    """Does nothing, slowly: episodes long enough to kill or cancel mid-way."""
+
+    def act(self, observation: Any, reward: float, done: bool = False) -> Any:
+        time.sleep(0.01)
+        return self.action_space({})
+
+
+def executing(dask_worker: Any) -> list[str]:
+    """The tasks a Dask worker is running (run there by ``client.run``)."""
+    return [str(ts.key) for ts in dask_worker.state.executing]
+
+
+def npz_arrays(folder: Path) -> dict[str, Any]:
+    found = {}
+    for path in sorted(folder.rglob("*.npz")):
+        if "times" in path.name:
+            continue  # wall-clock timings
+        with np.load(path) as data:
+            for name in data.files:
+                found[f"{path.relative_to(folder)}:{name}"] = data[name]
+    return found
+
+
+async def test_parity_with_local_pool_and_one_env_per_worker(
+    env: Any, cluster: Any, tmp_path: Path
+) -> None:
+    async with AsyncRunner(env, agent=RandomAgent, workers=2) as runner:
+        local = await runner.run(**KWARGS, path_save=tmp_path / "local")
+    started: list[EpisodeStarted] = []
+    sink = CallbackSink(lambda e: started.append(e) if isinstance(e, EpisodeStarted) else None)
+    async with (
+        distributed.Client(cluster.scheduler_address, asynchronous=True) as client,
+        AsyncRunner(env, agent=RandomAgent, workers=2, executor=client) as runner,
+    ):
+        pids = set((await client.run(os.getpid)).values())
+        on_dask = await runner.run(**KWARGS, path_save=tmp_path / "dask", sinks=[sink])
+        again = await runner.run(**KWARGS)
+    assert [r.as_tuple() for r in on_dask] == [r.as_tuple() for r in local]
+    assert [r.as_tuple() for r in again] == [r.as_tuple() for r in local]
+    assert [r.error for r in on_dask] == [None] * 4
+    saved_local, saved_dask = npz_arrays(tmp_path / "local"), npz_arrays(tmp_path / "dask")
+    assert saved_local.keys() == saved_dask.keys() and saved_local
+    for name, array in saved_local.items():
+        np.testing.assert_array_equal(array, saved_dask[name], err_msg=name)
+    assert {e.worker for e in started} <= pids
+    assert {e.env_builds for e in started} == {1}  # each worker built its env once
+
+
+async def test_killed_dask_worker_episode_is_retried_once(env: Any, cluster: Any) -> None:
+    events: list[Any] = []
+    killed: list[int] = []
+
+    def kill_mid_episode(event: Any) -> None:
+        events.append(event)
+        if isinstance(event, StepBatch) and event.index == 1 and not killed:
+            pid = next(e.worker for e in events if isinstance(e, EpisodeStarted) and e.index == 1)
+            os.kill(pid, signal.SIGKILL)
+            killed.append(pid)
+
+    kwargs = dict(KWARGS, nb_episode=2, max_iter=200, env_seeds=[1, 2], agent_seeds=[3, 4])
+    kwargs["episode_id"] = [0, 1]
+    async with (
+        distributed.Client(cluster.scheduler_address, asynchronous=True) as client,
+        AsyncRunner(env, agent=Slow, workers=2, executor=client) as runner,
+    ):
+        pids = set((await client.run(os.getpid)).values())
+        results = await runner.run(**kwargs, sinks=[CallbackSink(kill_mid_episode)])
+    assert killed and killed[0] in pids
+    assert [r.error for r in results] == [None, None]
+    assert [r.nb_time_step for r in results] == [200, 200]
+    retried = [e for e in events if isinstance(e, EpisodeFailed)]
+    assert [(e.index, e.attempt, e.retrying) for e in retried] == [(1, 1, True)]
+    # Steps of the final attempt: each exactly once.
+    for index in (0, 1):
+        attempt = 2 if index == 1 else 1
+        firsts = [
+            e.first_step
+            for e in events
+            if isinstance(e, StepBatch) and e.index == index and e.attempt == attempt
+        ]
+        lengths = sum(
+            len(e)
+            for e in events
+            if isinstance(e, StepBatch) and e.index == index and e.attempt == attempt
+        )
+        assert firsts == sorted(firsts) and lengths == 200
+
+
+async def test_cancelling_a_run_stops_the_cluster_work(env: Any, cluster: Any) -> None:
+    started = anyio.Event()
+    seen: list[Any] = []
+
+    def note(event: Any) -> None:
+        seen.append(event)
+        if sum(isinstance(e, EpisodeStarted) for e in seen) == 2:
+            started.set()
+
+    async with (
+        distributed.Client(cluster.scheduler_address, asynchronous=True) as client,
+        AsyncRunner(env, agent=Slow, workers=2, executor=client) as runner,
+    ):
+        with anyio.fail_after(60):  # the warm-up tasks (a restarted worker builds its env)
+            while any((await client.processing()).values()):  # noqa: ASYNC110
+                await anyio.sleep(0.05)
+        async with anyio.create_task_group() as group:
+
+            async def play() -> None:
+                await runner.run(
+                    nb_episode=2, max_iter=5000, episode_id=[0, 1], sinks=[CallbackSink(note)]
+                )
+
+            group.start_soon(play)
+            with anyio.fail_after(60):
+                await started.wait()
+            group.cancel_scope.cancel()
+        cancelled = time.perf_counter()
+        # Dask forgets a cancelled task at once; the worker runs it until its next send fails.
+        with anyio.fail_after(10):
+            while any((await client.run(executing)).values()):  # noqa: ASYNC110
+                await anyio.sleep(0.05)
+        stopped = time.perf_counter() - cancelled
+        # The workers are free again: a new run plays at once.
+        results = await runner.run(nb_episode=1, max_iter=5, episode_id=[0])
+    assert stopped < 3  # ≈ 1 s here: the next batch (every 0.1 s) fails to send
+    assert results[0].nb_time_step == 5
+
+
+@pytest.fixture
+def dask_commands(tmp_path: Path) -> Iterator[str]:
+    """A scheduler and two workers started with Dask's own commands; yields the address."""
+    dask = shutil.which("dask") or pytest.skip("no dask command")
+    file = tmp_path / "scheduler.json"
+    environ = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), *sys.path]))
+    quiet: dict[str, Any] = dict(
+        cwd=ROOT, env=environ, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    scheduler = [dask, "scheduler", "--host", "127.0.0.1", "--port", "0", "--no-dashboard"]
+    procs = [subprocess.Popen([*scheduler, "--scheduler-file", str(file)], **quiet)]
+    try:
+        deadline = time.monotonic() + 60
+        while not file.exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        address = str(json.loads(file.read_text())["address"])
+        assert address.startswith("tcp://127.0.0.1:")
+        worker = [dask, "worker", address, "--nthreads", "1", "--host", "127.0.0.1"]
+        for _ in range(2):
+            procs.append(subprocess.Popen([*worker, "--no-dashboard"], **quiet))
+        yield address
+    finally:
+        for proc in reversed(procs):
+            proc.terminate()
+        for proc in reversed(procs):
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+async def test_scheduler_and_workers_started_with_dask_commands(
+    env: Any, dask_commands: str
+) -> None:
+    from asyncrunner.dask import DaskExecutor
+
+    # The scheduler's address, and the channel on TCP as for workers on other machines.
+    executor = DaskExecutor(dask_commands, listen="tcp://127.0.0.1:0")
+    async with AsyncRunner(env, agent=DoNothingAgent, workers=2, executor=executor) as runner:
+        results = await runner.run(nb_episode=2, max_iter=10, episode_id=[0, 1])
+    assert [(r.name, r.nb_time_step, r.error) for r in results] == [
+        ("0000", 10, None),
+        ("0001", 10, None),
+    ]
