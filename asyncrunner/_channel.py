@@ -105,22 +105,26 @@ def connect(address: str, token: str) -> Callable[[Any], None]:
 def claim(address: str, token: str, key: str) -> bool:
     """Ask the runner for attempt ``key``: True for the first connection that asks, else False."""
     global _connection
-    connect(address, token)
-    assert _connection is not None
-    sock = _connection[1]
-    try:
-        sock.sendall(_frame(pickle.dumps(_Claim(key), protocol=5)))
-        answer = sock.recv(1)
-    except OSError as exc:
-        answer = b""
-        error: Exception | None = exc
-    else:
-        error = None
-    if not answer:
+    error: Exception | None = None
+    for _ in range(2):
+        # A connection kept from an earlier run on the same address (a fixed TCP port) is
+        # closed at the other end: reconnect once.
+        reused = _connection is not None and _connection[0] == address
+        connect(address, token)
+        assert _connection is not None
+        sock = _connection[1]
+        try:
+            sock.sendall(_frame(pickle.dumps(_Claim(key), protocol=5)))
+            answer = sock.recv(1)
+        except OSError as exc:
+            answer, error = b"", exc
+        if answer:
+            return answer == b"\x01"
         _connection = None
         sock.close()
-        raise ChannelClosed(f"the runner's channel closed: {error or 'EOF'}")
-    return answer == b"\x01"
+        if not reused:
+            break
+    raise ChannelClosed(f"the runner's channel closed: {error or 'EOF'}")
 
 
 # --- event loop side -------------------------------------------------------------------------
