@@ -651,7 +651,7 @@ def _every_sink(tmp: str) -> tuple[list[Any], list[str]]:
 def _devnull_tqdm() -> type:
     from tqdm.auto import tqdm
 
-    class DevNullTqdm(tqdm):  # type: ignore[misc]
+    class DevNullTqdm(tqdm):  # type: ignore[misc]  # tqdm is untyped (Any base class)
         """tqdm bars that render into os.devnull (the rendering work, no output)."""
 
         def __init__(self, *args: Any, **kwargs: Any) -> None:

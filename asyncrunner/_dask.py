@@ -209,7 +209,7 @@ class DaskExecutor:
                         await anyio.to_thread.run_sync(future.cancel)
         if claim is not None and result == _LOST:
             raise WorkerLost("the Dask worker playing this episode died")
-        return result  # type: ignore[no-any-return]
+        return result  # type: ignore[no-any-return]  # the task returns run_episode's T
 
     async def aclose(self) -> None:
         """Close the client and cluster opened here (a client passed in is left open)."""
