@@ -41,6 +41,7 @@ class EpisodeStarted:
     """An episode was reset in a worker; ``observation`` is the first observation as a vector.
 
     ``worker`` is the worker's pid, ``env_builds`` how many envs that worker has built so far.
+    ``mix`` is the mix played, on a ``MultiMixEnvironment`` (``None`` otherwise).
     """
 
     run_id: str
@@ -62,6 +63,7 @@ class EpisodeStarted:
     max_iter: int | None = None
     max_episode_duration: int = 0
     action_space_seed: int | None = None
+    mix: str | None = None
 
 
 @dataclass(frozen=True)

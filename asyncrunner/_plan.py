@@ -23,7 +23,10 @@ _RESET_KEYS = (
 
 @dataclass(frozen=True)
 class EpisodeRequest:
-    """The ``index``-th requested episode, with grid2op's Runner meaning for each field."""
+    """The ``index``-th requested episode, with grid2op's Runner meaning for each field.
+
+    ``mix``: the mix to play it on, for a ``MultiMixEnvironment`` (``None`` otherwise).
+    """
 
     index: int
     episode_id: int | str
@@ -32,6 +35,7 @@ class EpisodeRequest:
     max_iter: int | None
     init_state: Any
     reset_options: dict[str, Any] | None
+    mix: str | None = None
 
 
 def chronic_names(env: Any) -> list[str] | None:

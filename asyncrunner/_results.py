@@ -17,6 +17,9 @@ class EpisodeResult:
 
     ``error`` is ``None`` for a played episode, else the ``EpisodeFailed`` event that ended it.
     ``path`` is the episode's saved folder, or ``None`` when nothing was saved.
+    ``episode_data``: grid2op's ``EpisodeData`` (or ``CompactEpisodeData``) of the episode when
+    ``run(add_detailed_output=...)`` asked for it. ``mix``: the mix played, on a
+    ``MultiMixEnvironment`` (``None`` otherwise).
     """
 
     index: int
@@ -31,6 +34,7 @@ class EpisodeResult:
     error: EpisodeFailed | None = None
     nb_highres_sim: int = 0
     episode_data: Any = field(default=None, repr=False, compare=False)
+    mix: str | None = None
 
     @property
     def ok(self) -> bool:

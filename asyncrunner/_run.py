@@ -169,6 +169,7 @@ class Run:
                 env_seed=event.env_seed,
                 agent_seed=event.agent_seed,
                 nb_highres_sim=event.nb_highres_sim,
+                mix=self._by_index[event.index].mix,
             )
             self._remaining -= 1
         elif isinstance(event, EpisodeFailed):
@@ -185,6 +186,7 @@ class Run:
                     env_seed=request.env_seed,
                     agent_seed=request.agent_seed,
                     error=event,
+                    mix=request.mix,
                 )
                 self._remaining -= 1
                 if self.failure is None:
@@ -203,14 +205,14 @@ class Run:
                 await self._play(request, channel)
 
     async def _play(self, request: EpisodeRequest, channel: Channel) -> None:
-        runner = self.runner
+        recipe_key, recipe = self.runner._recipe_for(request.mix)
         for attempt in range(1, self.retries + 2):
             job = EpisodeJob(
                 address=channel.address,
                 token=channel.token,
                 run_id=self.run_id,
-                recipe_key=runner._recipe_key,
-                recipe=runner._recipe_bytes,
+                recipe_key=recipe_key,
+                recipe=recipe,
                 index=request.index,
                 attempt=attempt,
                 episode_id=request.episode_id,
@@ -220,6 +222,7 @@ class Run:
                 init_state=request.init_state,
                 reset_options=request.reset_options,
                 detail=self.detail,
+                mix=request.mix,
             )
             key = (request.index, attempt)
             terminal = self._terminal.setdefault(key, anyio.Event())
@@ -229,7 +232,7 @@ class Run:
                     # The clock starts at EpisodeStarted (see _collect): a fresh worker's start and
                     # env build do not count against the episode.
                     self._watchdogs[key] = scope
-                    await runner._call(run_episode, job)
+                    await self.runner._call(run_episode, job)
                 if scope.cancelled_caught:
                     raise TimeoutError
             except TimeoutError:

@@ -8,6 +8,7 @@ import os
 import pickle
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
+from dataclasses import replace
 from typing import Any, Literal, TypeVar
 
 import anyio
@@ -17,11 +18,12 @@ from anyio.abc import AsyncResource, Process, TaskGroup
 from ._channel import Channel
 from ._dask import as_dask
 from ._events import Event
-from ._exceptions import AsyncRunnerError
+from ._exceptions import AsyncRunnerError, EpisodeError
+from ._multimix import OnlyMix, mixes_of, plan_mixes, resume_mixes, runner_params
 from ._plan import check_path_save, chronic_names, plan_episodes
 from ._results import EpisodeResult
 from ._run import Run
-from ._worker import Recipe, warm
+from ._worker import Recipe, dumps, warm
 from .sinks._base import Sink
 
 __all__ = ["AsyncRunner"]
@@ -94,22 +96,43 @@ class AsyncRunner(AsyncResource):
         if isinstance(retries, bool) or not isinstance(retries, int) or retries < 0:
             raise ValueError(f"`retries` must be an integer >= 0, got {retries!r}")
         kind, payload = _agent_recipe(agent)
-        recipe = Recipe(params=env.get_params_for_runner(), agent_kind=kind, agent=payload)
-        try:
-            self._recipe_bytes = pickle.dumps(recipe, protocol=5)
-        except Exception as exc:
-            raise TypeError(
-                f"the agent {agent!r} cannot be sent to worker processes because it cannot be "
-                f"pickled ({type(exc).__name__}: {exc}); pass its class, or a module-level factory "
-                "(action_space) -> agent"
-            ) from exc
-        self._recipe_key = hashlib.blake2b(self._recipe_bytes, digest_size=16).hexdigest()
+        # A MultiMixEnvironment: one recipe per mix (each mix is an env of its own for grid2op).
+        self._mixes = mixes_of(env)
+        sources = {None: env} if self._mixes is None else self._mixes
+        self._recipes: dict[str | None, tuple[str, bytes]] = {}
+        for mix, source in sources.items():
+            params = runner_params(source)
+            try:
+                pickle.dumps(params, protocol=5)
+            except Exception as exc:
+                raise TypeError(
+                    "the env cannot be sent to worker processes: its get_params_for_runner() "
+                    f"cannot be pickled ({type(exc).__name__}: {exc})"
+                ) from exc
+            # A mix's env uses the classes grid2op made from the first mix: send them along.
+            mixed = params.get("_overload_name_multimix") is not None
+            classes = (type(source.backend),) if mixed else ()
+            recipe = Recipe(params=params, agent_kind=kind, agent=payload, classes=classes)
+            try:
+                blob = dumps(recipe)
+            except Exception as exc:
+                raise TypeError(
+                    f"the agent {agent!r} cannot be sent to worker processes because it cannot be "
+                    f"pickled ({type(exc).__name__}: {exc}); pass its class, or a module-level factory "
+                    "(action_space) -> agent"
+                ) from exc
+            self._recipes[mix] = (hashlib.blake2b(blob, digest_size=16).hexdigest(), blob)
+        # The first (or only) recipe: the env the workers build while warming up.
+        self._recipe_key, self._recipe_bytes = next(iter(self._recipes.values()))
         self.env = env
         self.workers = workers
         self.executor = executor
         self.sinks = tuple(sinks)
         self.retries = retries
         self._names = chronic_names(env)
+        self._mix_names = (
+            None if self._mixes is None else {m: chronic_names(e) for m, e in self._mixes.items()}
+        )
         self._space_dicts: dict[str, Any] | None = None
         self._limiter: anyio.CapacityLimiter | None = None
         self._pids: set[int] = set()
@@ -165,6 +188,14 @@ class AsyncRunner(AsyncResource):
         async with anyio.create_task_group() as group:
             for process, _ in mine:
                 group.start_soon(_stop_process, process)
+
+    def _recipe_for(self, mix: str | None) -> tuple[str, bytes]:
+        """The recipe (key, pickled) of the env that plays episodes of ``mix``."""
+        return self._recipes[mix]
+
+    def _env_for(self, mix: str | None) -> Any:
+        """The parent's env (or mix) behind episodes of ``mix``."""
+        return self.env if self._mixes is None or mix is None else self._mixes[mix]
 
     def _check_open(self) -> None:
         if self._closed:
@@ -228,16 +259,28 @@ class AsyncRunner(AsyncResource):
         resume: bool = False,
     ) -> Run:
         self._check_open()
-        requests = plan_episodes(
-            nb_episode,
-            names=self._names,
-            max_iter=max_iter,
-            env_seeds=env_seeds,
-            agent_seeds=agent_seeds,
-            episode_id=episode_id,
-            init_states=init_states,
-            reset_options=reset_options,
-        )
+        if self._mix_names is None:
+            requests = plan_episodes(
+                nb_episode,
+                names=self._names,
+                max_iter=max_iter,
+                env_seeds=env_seeds,
+                agent_seeds=agent_seeds,
+                episode_id=episode_id,
+                init_states=init_states,
+                reset_options=reset_options,
+            )
+        else:
+            requests = plan_mixes(
+                nb_episode,
+                self._mix_names,
+                max_iter=max_iter,
+                env_seeds=env_seeds,
+                agent_seeds=agent_seeds,
+                episode_id=episode_id,
+                init_states=init_states,
+                reset_options=reset_options,
+            )
         if on_error not in ("raise", "continue"):
             raise ValueError(f'`on_error` must be "raise" or "continue", got {on_error!r}')
         if episode_timeout is not None and not episode_timeout > 0:
@@ -260,12 +303,21 @@ class AsyncRunner(AsyncResource):
                 raise ValueError("`resume=True` needs `path_save`: the folder to resume")
             from .sinks._episode_data import resume_plan
 
-            requests, skipped = resume_plan(requests, path_save, self._names)
+            if self._mix_names is None:
+                requests, skipped = resume_plan(requests, path_save, self._names)
+            else:
+                requests, skipped = resume_mixes(requests, path_save, self._mix_names)
         all_sinks = [*self.sinks, *sinks]
         if path_save is not None:
             from .sinks import EpisodeDataWriter
 
-            all_sinks.append(EpisodeDataWriter(path_save))
+            if self._mixes is None:
+                all_sinks.append(EpisodeDataWriter(path_save))
+            else:  # grid2op's layout, one folder per mix: path_save/<mix>/<chronic>
+                mix_of = {r.index: r.mix for r in requests}
+                for mix in self._mixes:
+                    writer = EpisodeDataWriter(os.path.join(path_save, mix))
+                    all_sinks.append(OnlyMix(writer, mix, mix_of))
         if pbar:
             from .sinks import ProgressBar
 
@@ -299,6 +351,7 @@ class AsyncRunner(AsyncResource):
         episode_timeout: float | None = None,
         retries: int | None = None,
         resume: bool = False,
+        add_detailed_output: bool | Literal["compact"] = False,
     ) -> list[EpisodeResult]:
         """Play ``nb_episode`` episodes; returns one ``EpisodeResult`` each, in request order.
 
@@ -307,7 +360,21 @@ class AsyncRunner(AsyncResource):
         saved); ``"continue"`` plays every episode and reports failures in ``result.error``.
         ``resume=True`` (with ``path_save``) skips the episodes already saved complete there
         (same chronic, seeds and ``max_iter``) and returns their results as read from disk.
+        ``add_detailed_output=True`` puts each played episode's grid2op ``EpisodeData`` on
+        ``result.episode_data`` (``"compact"``: a ``CompactEpisodeData``), built in this process
+        from the streamed steps.
+
+        On a ``MultiMixEnvironment`` every mix plays the ``nb_episode`` requested episodes
+        (``nb_episode * len(env)`` results, mix by mix, each with its ``mix``), unless
+        ``episode_id`` lists ``(mix, episode id)`` pairs; ``path_save`` then holds one grid2op
+        folder per mix, ``path_save/<mix>/<chronic>``.
         """
+        collector = None
+        if add_detailed_output:
+            from ._detail import DetailCollector
+
+            collector = DetailCollector(self._env_for, compact=add_detailed_output == "compact")
+            sinks = [*sinks, collector]
         run = self._prepare(
             nb_episode,
             path_save=path_save,
@@ -325,8 +392,17 @@ class AsyncRunner(AsyncResource):
             streaming=False,
             resume=resume,
         )
-        with _unwrapped():
-            return await run.execute()
+        if collector is None:
+            with _unwrapped():
+                return await run.execute()
+        data = collector.data
+        try:
+            with _unwrapped():
+                results = await run.execute()
+        except EpisodeError as exc:
+            exc.results = [replace(r, episode_data=data.get(r.index)) for r in exc.results]
+            raise
+        return [replace(r, episode_data=data.get(r.index, r.episode_data)) for r in results]
 
     @asynccontextmanager
     async def stream(

@@ -9,6 +9,7 @@ bit for bit. Steps go back in batches over the run's channel (``_channel``), not
 from __future__ import annotations
 
 import copy
+import io
 import os
 import pickle
 import time
@@ -22,7 +23,7 @@ import numpy as np
 from . import _channel
 from ._events import EpisodeFailed, EpisodeFinished, EpisodeStarted, StepBatch
 
-__all__ = ["EpisodeJob", "Recipe", "run_episode", "warm"]
+__all__ = ["EpisodeJob", "Recipe", "dumps", "run_episode", "warm"]
 
 # How many envs one worker keeps (a worker may serve several runners in turn).
 _MAX_ENVS = 2
@@ -33,11 +34,17 @@ _BATCH_SECONDS = 0.1
 
 @dataclass(frozen=True)
 class Recipe:
-    """How to build the env and the agent: grid2op's ``get_params_for_runner()`` plus the agent."""
+    """How to build the env and the agent: grid2op's ``get_params_for_runner()`` plus the agent.
+
+    ``classes``: grid2op classes the parent made for the env, sent by value (``dumps``) so that
+    the worker's env uses them: a multimix's mixes all use the classes made from the first mix
+    (its generators' limits, ...), which a worker building another mix first would not.
+    """
 
     params: dict[str, Any]
     agent_kind: str  # "class" | "instance" | "factory"
     agent: Any
+    classes: tuple[type, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -58,6 +65,40 @@ class EpisodeJob:
     init_state: Any
     reset_options: dict[str, Any] | None
     detail: bool
+    mix: str | None = None
+
+
+def _grid_class(name: str, base: type, attributes: dict[str, Any]) -> type:
+    """The class grid2op made for an env (recreated, or found when this process has it)."""
+    from grid2op.Space import GridObjects
+
+    return type(GridObjects.init_grid_from_dict_for_pickle(name, base, attributes))
+
+
+class _GridPickler(pickle.Pickler):
+    """Sends the classes grid2op creates for an env by value, as grid2op pickles their instances.
+
+    An agent instance holds its action space, whose ``actionClass`` is such a class: by reference,
+    a fresh worker cannot find it.
+    """
+
+    def reducer_override(self, obj: Any) -> Any:
+        base = getattr(obj, "_INIT_GRID_CLS", None) if isinstance(obj, type) else None
+        if base is not None:
+            from grid2op.Space import GridObjects
+
+            if issubclass(obj, GridObjects):
+                attributes: dict[str, Any] = {}
+                GridObjects._make_cls_dict_extended(obj, attributes, as_list=False)
+                return _grid_class, (obj.__name__, base, attributes)
+        return NotImplemented
+
+
+def dumps(obj: Any) -> bytes:
+    """``pickle.dumps`` for what goes to workers (grid2op's env classes by value)."""
+    buffer = io.BytesIO()
+    _GridPickler(buffer, protocol=5).dump(obj)
+    return buffer.getvalue()
 
 
 class _Cached:
@@ -335,6 +376,7 @@ def _play(job: EpisodeJob, cached: _Cached, send: Any) -> int:
             max_iter=job.max_iter,
             max_episode_duration=int(env.max_episode_duration()),
             action_space_seed=env.action_space.seed_used,
+            mix=job.mix,
         )
     )
     batch = _Batcher(job, env, len(names), send)

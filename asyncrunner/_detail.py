@@ -1,0 +1,238 @@
+"""``run(add_detailed_output=...)``: grid2op's ``EpisodeData`` of each episode, built from the events.
+
+grid2op's Runner fills an ``EpisodeData`` (or a ``CompactEpisodeData``) in the process that plays
+the episode and sends it back. Here the worker streams the steps as arrays (as for the episode
+writers); this sink assembles them in the same buffers as the writers and builds the object, in a
+worker thread, with the parent's copy of the env's spaces.
+"""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Callable
+from typing import Any
+
+import anyio
+import anyio.to_thread
+import numpy as np
+
+from ._events import EpisodeFailed, EpisodeFinished, EpisodeStarted, Event, StepBatch
+from .sinks._base import Sink
+from .sinks._episode_data import _EpisodeBuffer
+
+__all__ = ["DetailCollector", "compact_episode_data", "episode_data"]
+
+_NO_LIMIT = int(np.iinfo(np.int32).max)  # env.max_episode_duration() of an endless episode
+
+
+class DetailCollector(Sink):
+    """Builds each finished episode's ``EpisodeData`` (``compact``: ``CompactEpisodeData``).
+
+    ``env_for(mix)`` gives the parent's env (or mix) whose spaces the objects use. ``data`` maps
+    request index to the built object.
+    """
+
+    needs_steps = True
+
+    def __init__(self, env_for: Callable[[str | None], Any], *, compact: bool = False) -> None:
+        self.env_for = env_for
+        self.compact = compact
+        self.data: dict[int, Any] = {}
+        self._open: dict[tuple[str, int], _EpisodeBuffer] = {}
+        self._obs_spaces: dict[str | None, Any] = {}
+        # One build at a time: they share the spaces, and each one is CPU-bound anyway.
+        self._limiter = anyio.CapacityLimiter(1)
+
+    def __repr__(self) -> str:
+        return f"DetailCollector(compact={self.compact})"
+
+    def _capacity(self, started: EpisodeStarted) -> int:
+        if not self.compact:
+            return started.max_ts  # grid2op preallocates chronics_handler.max_timestep() rows
+        duration = started.max_episode_duration
+        return duration if 0 < duration < _NO_LIMIT else 0
+
+    async def send(self, event: Event) -> None:
+        if isinstance(event, StepBatch):
+            buffer = self._open.get((event.run_id, event.index))
+            if buffer is not None and buffer.attempt == event.attempt:
+                buffer.add(event)
+        elif isinstance(event, EpisodeStarted):
+            self._open[(event.run_id, event.index)] = _EpisodeBuffer(event, self._capacity(event))
+        elif isinstance(event, EpisodeFinished):
+            buffer = self._open.pop((event.run_id, event.index), None)
+            if buffer is None or buffer.attempt != event.attempt:
+                return
+            self.data[event.index] = await anyio.to_thread.run_sync(
+                self._build, buffer, event, limiter=self._limiter
+            )
+        elif isinstance(event, EpisodeFailed):
+            buffer = self._open.get((event.run_id, event.index))
+            if buffer is not None and buffer.attempt == event.attempt:
+                del self._open[(event.run_id, event.index)]
+
+    async def aclose(self) -> None:
+        self._open.clear()
+
+    def _build(self, buffer: _EpisodeBuffer, finished: EpisodeFinished) -> Any:
+        mix = buffer.started.mix
+        env = self.env_for(mix)
+        obs_space = self._obs_spaces.get(mix)
+        if obs_space is None:
+            obs_space = self._obs_spaces[mix] = serializable_observation_space(env)
+        if self.compact:
+            return compact_episode_data(env, obs_space, buffer, finished)
+        return episode_data(env, obs_space, buffer, finished)
+
+
+def serializable_observation_space(env: Any) -> Any:
+    """A copy of the env's observation space without its simulator, as grid2op's Runner returns."""
+    from grid2op.Episode import EpisodeData
+
+    holder = types.SimpleNamespace(observation_space=env.observation_space)
+    EpisodeData._aux_make_obs_space_serializable(holder)
+    return holder.observation_space
+
+
+def episode_data(
+    env: Any, obs_space: Any, buffer: _EpisodeBuffer, finished: EpisodeFinished
+) -> Any:
+    """The ``EpisodeData`` grid2op's Runner returns for this episode (``add_detailed_output``).
+
+    Same arrays (shapes, padding, dtypes), attributes and objects: actions, environment
+    modifications and observations of the steps played; attacks where the opponent attacked
+    (``None`` elsewhere, as grid2op leaves them).
+    """
+    from grid2op.dtypes import dt_bool, dt_float
+    from grid2op.Episode import EpisodeData
+
+    started = buffer.started
+    arrays = buffer.arrays()
+    n = int(finished.nb_time_step)
+    names = started.other_reward_names
+    other_rewards = [
+        dict(zip(names, row, strict=True)) for row in arrays["other_rewards"][:n].tolist()
+    ]
+    action_space = env.action_space
+    helper = env._helper_action_env
+    attack_space = env._opponent_action_space
+    episode = EpisodeData(
+        actions=arrays["actions"],
+        env_actions=arrays["env_actions"],
+        observations=arrays["observations"],
+        rewards=arrays["rewards"],
+        disc_lines=arrays["disc_lines"],
+        times=arrays["times"],
+        observation_space=obs_space,
+        action_space=action_space,
+        helper_action_env=helper,
+        attack_space=attack_space,
+        disc_lines_templ=np.full((1, env.backend.n_line), fill_value=False, dtype=dt_bool),
+        attack_templ=np.full((1, attack_space.n), fill_value=0.0, dtype=dt_float),
+        attack=arrays["attacks"],
+        name=started.name,
+        force_detail=True,
+        other_rewards=other_rewards,
+        legal=arrays["legal"],
+        ambiguous=arrays["ambiguous"],
+        has_legal_ambiguous=True,
+    )
+    for t in range(n):
+        episode.actions.objects[t] = action_space.from_vect(arrays["actions"][t], check_legit=False)
+        episode.env_actions.objects[t] = helper.from_vect(
+            arrays["env_actions"][t], check_legit=False
+        )
+        attack = arrays["attacks"][t]
+        if attack.any():
+            episode.attacks.objects[t] = attack_space.from_vect(attack, check_legit=False)
+    for t in range(n + 1):
+        obs = obs_space.from_vect(arrays["observations"][t])
+        obs._obs_env = None
+        obs._ptr_kwargs_env = None
+        episode.observations.objects[t] = obs
+    episode.parameters = dict(started.parameters)
+    episode.meta = {
+        "chronics_path": started.chronics_path,
+        "chronics_max_timestep": started.meta["chronics_max_timestep"],
+        "grid_path": started.meta["grid_path"],
+        "backend_type": started.meta["backend_type"],
+        "env_type": started.meta["env_type"],
+        "nb_timestep_played": n,
+        "cumulative_reward": float(finished.cum_reward),
+        "env_seed": None if finished.env_seed is None else int(finished.env_seed),
+        "agent_seed": None if finished.agent_seed is None else int(finished.agent_seed),
+    }
+    episode.episode_times = dict(finished.times)
+    episode.set_game_over(n)
+    return episode
+
+
+def compact_episode_data(
+    env: Any, obs_space: Any, buffer: _EpisodeBuffer, finished: EpisodeFinished
+) -> Any:
+    """The ``CompactEpisodeData`` grid2op's Runner returns (``use_compact_episode_data=True``)."""
+    from grid2op.Episode import CompactEpisodeData
+
+    started = buffer.started
+    arrays = buffer.arrays()
+    names = list(started.other_reward_names)
+    order = sorted(range(len(names)), key=names.__getitem__)
+    duration = int(started.max_episode_duration)
+    n_line = int(env.backend.n_line)
+    n_attack = int(env._opponent_action_space.n)
+    episode = CompactEpisodeData.__new__(CompactEpisodeData)
+    episode.exp_dir = None
+    episode.array_names = (
+        "actions",
+        "env_actions",
+        "attacks",
+        "observations",
+        "rewards",
+        "other_rewards",
+        "disc_lines",
+        "times",
+        "legal",
+        "ambiguous",
+    )
+    episode.space_names = (
+        "observation_space",
+        "action_space",
+        "attack_space",
+        "env_modification_space",
+    )
+    episode.ep_id = started.name
+    episode.actions = arrays["actions"].astype(np.float16)
+    episode.env_actions = arrays["env_actions"]
+    episode.attacks = arrays["attacks"]
+    episode.observations = arrays["observations"]
+    episode.rewards = arrays["rewards"]
+    episode.other_reward_names = [names[i] for i in order]
+    episode.other_rewards = arrays["other_rewards"][:, order].astype(np.float32)
+    episode.disc_lines = arrays["disc_lines"]
+    episode.times = arrays["times"]
+    episode.legal = arrays["legal"]
+    episode.ambiguous = arrays["ambiguous"]
+    episode.disc_lines_templ = np.full((1, n_line), fill_value=False, dtype=np.bool_)
+    episode.attack_templ = np.full((1, n_attack), fill_value=0.0, dtype=np.float32)
+    episode.n_cols = (
+        env.action_space.n + env._helper_action_env.n + obs_space.n + n_line + n_attack + 6
+    )
+    episode.game_over_timestep = int(finished.nb_time_step)
+    episode.observation_space = obs_space
+    episode.action_space = env.action_space
+    episode.attack_space = env._opponent_action_space
+    episode.env_modification_space = env._helper_action_env
+    episode.meta = {
+        "chronics_path": started.name,
+        "chronics_max_timestep": duration,
+        "game_over_timestep": duration,
+        "other_reward_names": list(episode.other_reward_names),
+        "grid_path": started.meta["grid_path"],
+        "backend_type": started.meta["backend_type"],
+        "env_type": started.meta["env_type"],
+        "env_seed": None if started.env_seed is None else int(started.env_seed),
+        "agent_seed": started.action_space_seed,
+        "nb_timestep_played": int(finished.nb_time_step),
+        "cumulative_reward": buffer.cum_reward64,
+    }
+    return episode

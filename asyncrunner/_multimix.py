@@ -1,0 +1,132 @@
+"""``MultiMixEnvironment``: one run over the episodes of every mix.
+
+grid2op's own Runner plays one mix at a time (``for mix in env: Runner(**mix.get_params_for_runner())``,
+saving each under ``path_save/<mix>``). Here a run on a multimix env plays the requested episodes on
+every mix (or the ``(mix, episode id)`` pairs given as ``episode_id``), each result says its
+``mix``, and ``path_save`` gets one grid2op folder per mix: ``path_save/<mix>/<chronic>``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import replace
+from typing import Any
+
+from ._events import Event
+from ._plan import EpisodeRequest, _check_id, plan_episodes
+from ._results import EpisodeResult
+from .sinks._base import Sink
+
+__all__ = ["OnlyMix", "mixes_of", "plan_mixes", "resume_mixes", "runner_params"]
+
+
+def mixes_of(env: Any) -> dict[str, Any] | None:
+    """The mixes of a ``MultiMixEnvironment`` (name -> env, in the env's order), else ``None``."""
+    from grid2op.Environment import MultiMixEnvironment
+
+    if not isinstance(env, MultiMixEnvironment):
+        return None
+    return {str(name): mix for name, mix in env.items()}
+
+
+def runner_params(env: Any) -> dict[str, Any]:
+    """``env.get_params_for_runner()``, made to pickle.
+
+    A mix after the first gets a copy of the first mix's backend, whose class is the one grid2op
+    built for the grid (not importable by name): its recipe names the backend's original class,
+    from which the worker builds its own.
+    """
+    params: dict[str, Any] = env.get_params_for_runner()
+    backend_class = params.get("backendClass")
+    original = getattr(backend_class, "_INIT_GRID_CLS", None)
+    if original is not None:
+        params["backendClass"] = original
+    return params
+
+
+def _is_pair(entry: Any) -> bool:
+    return isinstance(entry, tuple) and len(entry) == 2
+
+
+def plan_mixes(
+    nb_episode: int,
+    names: Mapping[str, list[str] | None],
+    *,
+    episode_id: Sequence[Any] | None = None,
+    **kwargs: Any,
+) -> list[EpisodeRequest]:
+    """Requests for a multimix run, mix by mix.
+
+    ``episode_id`` entries that are ``(mix, id)`` pairs name exactly the episodes to play (one
+    request each). Otherwise each mix plays the ``nb_episode`` requested episodes (seeds, ids and
+    options alike on every mix, as a loop over the mixes would): ``nb_episode * len(mixes)``
+    requests, the first mix's first.
+    """
+    entries = None if episode_id is None else list(episode_id)
+    if entries and any(_is_pair(e) for e in entries):
+        if not all(_is_pair(e) for e in entries):
+            raise TypeError(
+                "on a MultiMixEnvironment, `episode_id` entries must be all (mix, episode id) "
+                "pairs, or all episode ids (played on every mix)"
+            )
+        base = plan_episodes(nb_episode, names=None, episode_id=[e[1] for e in entries], **kwargs)
+        requests = []
+        for request, (mix, ep_id) in zip(base, entries, strict=True):
+            if mix not in names:
+                raise ValueError(f"unknown mix {mix!r}: this env's mixes are {list(names)}")
+            requests.append(replace(request, episode_id=_check_id(ep_id, names[mix]), mix=mix))
+        return requests
+    requests = []
+    for mix, mix_names in names.items():
+        for request in plan_episodes(nb_episode, names=mix_names, episode_id=episode_id, **kwargs):
+            requests.append(replace(request, index=len(requests), mix=mix))
+    return requests
+
+
+def resume_mixes(
+    requests: Sequence[EpisodeRequest],
+    path: str,
+    names: Mapping[str, list[str] | None],
+) -> tuple[list[EpisodeRequest], list[EpisodeResult]]:
+    """``resume_plan`` mix by mix, each in its own ``path/<mix>`` folder."""
+    from .sinks._episode_data import resume_plan
+
+    todo: list[EpisodeRequest] = []
+    done: list[EpisodeResult] = []
+    for mix, mix_names in names.items():
+        mine = [r for r in requests if r.mix == mix]
+        if not mine:
+            continue
+        left, found = resume_plan(mine, os.path.join(path, mix), mix_names)
+        todo.extend(left)
+        done.extend(replace(r, mix=mix) for r in found)
+    todo.sort(key=lambda r: r.index)
+    return todo, done
+
+
+class OnlyMix(Sink):
+    """Passes ``sink`` the run-level events and the events of one mix's episodes."""
+
+    def __init__(self, sink: Sink, mix: str, mix_of: Mapping[int, str | None]) -> None:
+        self.sink = sink
+        self.mix = mix
+        self._mix_of = mix_of
+        self.needs_steps = getattr(sink, "needs_steps", True)
+
+    def __repr__(self) -> str:
+        return f"OnlyMix({self.sink!r}, {self.mix!r})"
+
+    @property
+    def paths(self) -> dict[int, str]:
+        """The wrapped sink's saved paths (by request index), if it has any."""
+        paths: dict[int, str] = getattr(self.sink, "paths", {})
+        return paths
+
+    async def send(self, event: Event) -> None:
+        index = getattr(event, "index", None)
+        if index is None or self._mix_of.get(index) == self.mix:
+            await self.sink.send(event)
+
+    async def aclose(self) -> None:
+        await self.sink.aclose()

@@ -1,0 +1,781 @@
+"""A synchronous drop-in for ``grid2op.Runner.Runner``, playing its episodes on asyncrunner.
+
+    from asyncrunner.compat import Runner  # instead of: from grid2op.Runner import Runner
+
+    runner = Runner(**env.get_params_for_runner(), agentClass=RandomAgent)
+    results = runner.run(nb_episode=4, nb_process=2, path_save="runs/demo")
+
+``Runner`` *is* grid2op's Runner (a subclass): same constructor, argument checks, errors and
+attributes (``envClass``, ``parameters``, ``path_chron``, ``thermal_limit_a``, ``agentClass``,
+...). ``run()`` and ``run_one_episode()`` take grid2op's arguments, raise grid2op's errors for bad
+ones and return grid2op's tuples ``(id_chron, name_chron, cum_reward, nb_time_step, max_ts)``,
+plus the ``EpisodeData`` (``CompactEpisodeData`` with ``use_compact_episode_data=True``) with
+``add_detailed_output=True`` and then the high-resolution simulation count with
+``add_nb_highres_sim=True``. The episodes play in ``nb_process`` asyncrunner worker processes.
+
+The calls are synchronous and work where an event loop is already running (a Jupyter cell, an
+async handler calling sync code): the async core always runs on an event loop of its own, in a
+thread (anyio's blocking portal), never on the caller's.
+
+The worker pool lives for one ``run()`` / ``run_one_episode()`` call: the workers start, build the
+env, play and stop. To keep them (and the env each one built) across calls, use the runner as a
+context manager: ``with Runner(...) as runner:`` keeps one pool until the block ends (or until
+``runner.close()``); it is rebuilt when ``nb_process`` or the agent changes.
+
+Where it differs from grid2op's Runner:
+
+- Results come in request order. (grid2op groups them by process when ``nb_process > 1``:
+  0, 2, 4, 1, 3, 5 for two processes; with one process the two agree.)
+- Saving follows grid2op's layout and its overwriting: an episode replaces the folder (or the
+  ``CompactEpisodeData`` files) of the same chronic already in ``path_save``, but atomically: a
+  folder is either the old episode or the new one, never a mix.
+- An agent instance (``agentInstance=``) is copied to the worker processes, as grid2op does with
+  ``nb_process > 1``: what an episode changes in the agent does not reach the instance held here.
+  An agent class is built in the workers with the class attributes it has here (as in a forked
+  process: ``OneChangeThenNothing.gen_next(...)`` works).
+- Workers build the env from the runner's parameters. A subclass that overrides ``init_env``,
+  ``_new_env`` or ``_make_new_backend``, or an agent that cannot be pickled, plays in this
+  process, one episode at a time, with grid2op's own code (with a warning).
+- A failed episode raises ``asyncrunner.EpisodeError`` (with the worker's traceback) rather than
+  the agent's or env's own exception.
+- ``mp_context`` is not used: workers are fresh interpreters (asyncrunner's workers), whatever
+  the platform.
+"""
+
+from __future__ import annotations
+
+import functools
+import operator
+import os
+import pickle
+import threading
+import warnings
+from collections.abc import Awaitable, Callable, Sequence
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any, TypeVar
+
+import anyio
+import anyio.abc
+import numpy as np
+from grid2op.Action import BaseAction
+from grid2op.Exceptions import ChronicsError, EnvError
+from grid2op.Runner import Runner as _GridRunner
+
+from ._events import EpisodeStarted, Event, StepBatch
+from ._plan import chronic_names
+from ._results import EpisodeResult
+from ._runner import AsyncRunner
+from ._worker import dumps
+from .sinks import CompactEpisodeWriter, EpisodeDataWriter
+from .sinks._base import Sink
+
+__all__ = ["Runner"]
+
+T = TypeVar("T")
+
+KEY_TIME_SERIE_ID = "time serie id"
+# Runner methods that build the env: a subclass overriding one plays in-process (grid2op's code).
+_ENV_HOOKS = ("init_env", "_new_env", "_make_new_backend")
+# grid2op's warnings (grid2op/Runner/aux_fun.py), raised in the caller's thread.
+_WARN_TS_ID = (
+    "You provided both `episode_id` and the key `'time serie id'` is present "
+    "in the provided `reset_options`. In this case, grid2op will ignore the "
+    "`time serie id` of the `reset_options` and keep the value in `episode_id`."
+)
+_WARN_MAX_STEP = (
+    "You provided both `max_iter` and the key `'max step'` is present "
+    "in the provided `reset_options`. In this case, grid2op will ignore the "
+    "`max step` of the `reset_options` and keep the value in `max_iter`."
+)
+_WARN_INIT_STATE = (
+    "You provided both `init_state` and the key `'init state'` is present "
+    "in the provided `reset_options`. In this case, grid2op will ignore the "
+    "`init state` of the `reset_options` and keep the value in `init_state`."
+)
+
+
+class Runner(_GridRunner):  # type: ignore[misc]  # grid2op is untyped (Any base class)
+    """grid2op's ``Runner``, playing episodes in asyncrunner's worker processes.
+
+    Build it as grid2op's: ``Runner(**env.get_params_for_runner(), agentClass=...)`` (or
+    ``agentInstance=...``). ``nb_process`` is the number of worker processes. See the module's
+    documentation for the pool's lifetime and the few differences with grid2op.
+    """
+
+    _ar_session: _Session | None = None
+    _ar_env: Any = None
+    _ar_keep = False
+
+    # --- lifetime ----------------------------------------------------------------------------
+
+    def __enter__(self) -> Runner:
+        """Keep one worker pool across the calls made in the ``with`` block."""
+        self._ar_keep = True
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Stop the worker pool kept by ``with`` (if any) and free the env held for the runs."""
+        self._ar_keep = False
+        session, self._ar_session = self._ar_session, None
+        env, self._ar_env = self._ar_env, None
+        try:
+            if session is not None:
+                session.close()
+        finally:
+            if env is not None:
+                env.close()
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        for key in ("_ar_session", "_ar_env", "_ar_keep"):
+            state.pop(key, None)
+        return state
+
+    # --- grid2op's entry points --------------------------------------------------------------
+
+    def run(
+        self,
+        nb_episode: int,
+        *,
+        nb_process: int = 1,
+        path_save: str | os.PathLike[str] | None = None,
+        max_iter: int | None = None,
+        pbar: Any = False,
+        env_seeds: Sequence[int] | None = None,
+        agent_seeds: Sequence[int] | None = None,
+        episode_id: Sequence[int | str] | None = None,
+        add_detailed_output: bool = False,
+        add_nb_highres_sim: bool = False,
+        init_states: Any = None,
+        reset_options: Any = None,
+    ) -> list[tuple[Any, ...]]:
+        """Play ``nb_episode`` episodes, as ``grid2op.Runner.Runner.run`` (same arguments, errors
+        and tuples), in ``nb_process`` worker processes; results in request order."""
+        if nb_episode < 0:
+            raise RuntimeError("Impossible to run a negative number of scenarios.")
+        if env_seeds is not None and len(env_seeds) != nb_episode:
+            raise RuntimeError(
+                f'You want to compute "{nb_episode}" run(s) but provide only "{len(env_seeds)}" '
+                "different seeds (environment)."
+            )
+        if agent_seeds is not None and len(agent_seeds) != nb_episode:
+            raise RuntimeError(
+                f'You want to compute "{nb_episode}" run(s) but provide only "{len(agent_seeds)}" '
+                "different seeds (agent)."
+            )
+        if episode_id is not None and len(episode_id) != nb_episode:
+            raise RuntimeError(
+                f'You want to compute "{nb_episode}" run(s) but provide only "{len(episode_id)}" '
+                "different ids."
+            )
+        init_states = self._ar_check_init_states(init_states, nb_episode)
+        reset_options = self._ar_check_reset_options(reset_options, nb_episode)
+        if max_iter is not None:
+            max_iter = int(max_iter)
+        if nb_episode == 0:
+            return []
+        if nb_process <= 0:
+            raise RuntimeError("Impossible to run using less than 1 process.")
+        self._Runner__used = True
+        return self._ar_run_many(
+            nb_episode,
+            nb_process=nb_process,
+            path_save=path_save,
+            pbar=pbar,
+            env_seeds=env_seeds,
+            agent_seeds=agent_seeds,
+            max_iter=max_iter,
+            episode_id=episode_id,
+            add_detailed_output=add_detailed_output,
+            add_nb_highres_sim=add_nb_highres_sim,
+            init_states=init_states,
+            reset_options=reset_options,
+        )
+
+    def run_one_episode(
+        self,
+        indx: int = 0,
+        path_save: str | os.PathLike[str] | None = None,
+        pbar: Any = False,
+        env_seed: int | None = None,
+        max_iter: int | None = None,
+        agent_seed: int | None = None,
+        episode_id: int | str | None = None,
+        detailed_output: bool = False,
+        add_nb_highres_sim: bool = False,
+        init_state: Any = None,
+        reset_options: dict[str, Any] | None = None,
+    ) -> tuple[Any, ...]:
+        """Play one episode, as grid2op's ``run_one_episode``: ``(id_chron, name_chron,
+        cum_reward, nb_time_step, max_ts[, episode_data][, nb_highres_sim])``."""
+        if self._ar_in_process_reason() is not None:
+            return tuple(
+                super().run_one_episode(
+                    indx=indx,
+                    path_save=path_save,
+                    pbar=pbar,
+                    env_seed=env_seed,
+                    max_iter=max_iter,
+                    agent_seed=agent_seed,
+                    episode_id=episode_id,
+                    detailed_output=detailed_output,
+                    add_nb_highres_sim=add_nb_highres_sim,
+                    init_state=init_state,
+                    reset_options=reset_options,
+                )
+            )
+        ep_id: int | str = indx
+        if episode_id is not None:
+            ep_id = episode_id
+        elif reset_options is not None and KEY_TIME_SERIE_ID in reset_options:
+            ep_id = int(reset_options[KEY_TIME_SERIE_ID])
+            del reset_options[KEY_TIME_SERIE_ID]  # as grid2op does, in the caller's dict
+        (result,) = self._ar_play(
+            ids=[ep_id],
+            options=[reset_options],
+            nb_process=1,
+            path_save=path_save,
+            pbar=pbar,
+            env_seeds=[env_seed],
+            agent_seeds=[agent_seed],
+            max_iter=None if max_iter is None else int(max_iter),
+            init_states=[init_state],
+            detailed=detailed_output,
+            nb_highres=add_nb_highres_sim,
+            raw_reward=True,
+        )
+        return result
+
+    def _run_sequential(
+        self,
+        nb_episode: int,
+        path_save: str | os.PathLike[str] | None = None,
+        pbar: Any = False,
+        env_seeds: Sequence[int] | None = None,
+        agent_seeds: Sequence[int] | None = None,
+        max_iter: int | None = None,
+        episode_id: Sequence[int | str] | None = None,
+        add_detailed_output: bool = False,
+        add_nb_highres_sim: bool = False,
+        init_states: Any = None,
+        reset_options: Any = None,
+    ) -> list[tuple[Any, ...]]:
+        return self._ar_run_many(
+            nb_episode,
+            nb_process=1,
+            path_save=path_save,
+            pbar=pbar,
+            env_seeds=env_seeds,
+            agent_seeds=agent_seeds,
+            max_iter=max_iter,
+            episode_id=episode_id,
+            add_detailed_output=add_detailed_output,
+            add_nb_highres_sim=add_nb_highres_sim,
+            init_states=init_states,
+            reset_options=reset_options,
+        )
+
+    def _run_parrallel(
+        self,
+        nb_episode: int,
+        nb_process: int = 1,
+        path_save: str | os.PathLike[str] | None = None,
+        env_seeds: Sequence[int] | None = None,
+        agent_seeds: Sequence[int] | None = None,
+        max_iter: int | None = None,
+        episode_id: Sequence[int | str] | None = None,
+        add_detailed_output: bool = False,
+        add_nb_highres_sim: bool = False,
+        init_states: Any = None,
+        reset_options: Any = None,
+    ) -> list[tuple[Any, ...]]:
+        if nb_process <= 0:
+            raise RuntimeError("Runner: you need at least 1 process to run episodes")
+        return self._ar_run_many(
+            nb_episode,
+            nb_process=nb_process,
+            path_save=path_save,
+            pbar=False,
+            env_seeds=env_seeds,
+            agent_seeds=agent_seeds,
+            max_iter=max_iter,
+            episode_id=episode_id,
+            add_detailed_output=add_detailed_output,
+            add_nb_highres_sim=add_nb_highres_sim,
+            init_states=init_states,
+            reset_options=reset_options,
+        )
+
+    # --- argument checks (grid2op's, with its messages) ----------------------------------------
+
+    @staticmethod
+    def _ar_check_init_states(init_states: Any, nb_episode: int) -> list[Any] | None:
+        if init_states is None:
+            return None
+        if isinstance(init_states, (dict, BaseAction)):
+            return [init_states.copy() for _ in range(nb_episode)]
+        if isinstance(init_states, (list, tuple, np.ndarray)):
+            if len(init_states) != nb_episode:
+                raise RuntimeError(
+                    f'You want to compute "{nb_episode}" run(s) but provide only '
+                    f'"{len(init_states)}" different initial state.'
+                )
+            for i, el in enumerate(init_states):
+                if not isinstance(el, (dict, BaseAction)):
+                    raise RuntimeError(
+                        "When specifying `init_states` kwargs with a list (or a tuple) "
+                        "it should be a list (or a tuple) of dictionary or BaseAction. "
+                        f"You provided {type(el)} at position {i}."
+                    )
+            return list(init_states)
+        raise RuntimeError(
+            "When using `init_state` in the runner, you should make sure to use "
+            "either use dictionnary, grid2op actions or list / tuple of actions."
+        )
+
+    def _ar_check_reset_options(self, reset_options: Any, nb_episode: int) -> list[Any] | None:
+        if reset_options is None:
+            return None
+        keys = self.envClass.KEYS_RESET_OPTIONS
+        if isinstance(reset_options, dict):
+            for k in reset_options:
+                if k not in keys:
+                    raise RuntimeError(
+                        "Wehn specifying `reset options` all keys of the dictionary should "
+                        "be compatible with the available reset options of your environment "
+                        f'class. You provided the key "{k}" for the provided dictionary but'
+                        f"possible keys are limited to {keys}."
+                    )
+            return [reset_options.copy() for _ in range(nb_episode)]
+        if isinstance(reset_options, (list, tuple, np.ndarray)):
+            if len(reset_options) != nb_episode:
+                raise RuntimeError(
+                    f'You want to compute "{nb_episode}" run(s) but provide only '
+                    f'"{len(reset_options)}" different reset options.'
+                )
+            for i, el in enumerate(reset_options):
+                if not isinstance(el, dict):
+                    raise RuntimeError(
+                        "When specifying `reset_options` kwargs with a list (or a tuple) "
+                        "it should be a list (or a tuple) of dictionary or BaseAction. "
+                        f"You provided {type(el)} at position {i}."
+                    )
+            for i, el in enumerate(reset_options):
+                for k in el:
+                    if k not in keys:
+                        raise RuntimeError(
+                            "Wehn specifying `reset options` all keys of the dictionary should "
+                            "be compatible with the available reset options of your environment "
+                            f'class. You provided the key "{k}" for the {i}th dictionary but'
+                            f"possible keys are limited to {keys}."
+                        )
+            return list(reset_options)
+        raise RuntimeError(
+            "When using `reset_options` in the runner, you should make sure to use "
+            "either use dictionnary, grid2op actions or list / tuple of actions."
+        )
+
+    # --- the async core ----------------------------------------------------------------------
+
+    def _ar_run_many(
+        self,
+        nb_episode: int,
+        *,
+        nb_process: int,
+        path_save: str | os.PathLike[str] | None,
+        pbar: Any,
+        env_seeds: Sequence[int] | None,
+        agent_seeds: Sequence[int] | None,
+        max_iter: int | None,
+        episode_id: Sequence[int | str] | None,
+        add_detailed_output: bool,
+        add_nb_highres_sim: bool,
+        init_states: Any,
+        reset_options: Any,
+    ) -> list[tuple[Any, ...]]:
+        reason = self._ar_in_process_reason()
+        if reason is not None:
+            warnings.warn(
+                f"asyncrunner.compat.Runner: {reason}: the episodes play in this process, one "
+                "at a time, with grid2op's own Runner code",
+                stacklevel=3,
+            )
+            result: list[tuple[Any, ...]] = _GridRunner._run_sequential(
+                self,
+                nb_episode,
+                path_save=path_save,
+                pbar=pbar,
+                env_seeds=env_seeds,
+                agent_seeds=agent_seeds,
+                max_iter=max_iter,
+                episode_id=episode_id,
+                add_detailed_output=add_detailed_output,
+                add_nb_highres_sim=add_nb_highres_sim,
+                init_states=init_states,
+                reset_options=reset_options,
+            )
+            return result
+        if isinstance(init_states, (dict, BaseAction)):
+            init_states = [init_states.copy() for _ in range(nb_episode)]
+        if isinstance(reset_options, dict):
+            reset_options = [reset_options.copy() for _ in range(nb_episode)]
+        # Which chronic each episode plays: grid2op's rules (Runner._run_sequential).
+        ids: list[Any] = []
+        options: list[dict[str, Any] | None] = []
+        for i in range(nb_episode):
+            option = None if reset_options is None else dict(reset_options[i])
+            ep_id: Any = i
+            if episode_id is not None:
+                ep_id = episode_id[i]
+            elif option is not None and KEY_TIME_SERIE_ID in option:
+                ep_id = int(option.pop(KEY_TIME_SERIE_ID))
+            ids.append(ep_id)
+            options.append(option)
+        force_sequential = int(os.getenv(_GridRunner.FORCE_SEQUENTIAL) or 0) > 0
+        return self._ar_play(
+            ids=ids,
+            options=options,
+            nb_process=1 if force_sequential else int(nb_process),
+            path_save=path_save,
+            pbar=pbar,
+            env_seeds=[None] * nb_episode if env_seeds is None else list(env_seeds),
+            agent_seeds=[None] * nb_episode if agent_seeds is None else list(agent_seeds),
+            max_iter=max_iter,
+            init_states=[None] * nb_episode if init_states is None else list(init_states),
+            detailed=add_detailed_output,
+            nb_highres=add_nb_highres_sim,
+            raw_reward=False,
+        )
+
+    def _ar_play(
+        self,
+        *,
+        ids: list[Any],
+        options: list[dict[str, Any] | None],
+        nb_process: int,
+        path_save: str | os.PathLike[str] | None,
+        pbar: Any,
+        env_seeds: list[Any],
+        agent_seeds: list[Any],
+        max_iter: int | None,
+        init_states: list[Any],
+        detailed: bool,
+        nb_highres: bool,
+        raw_reward: bool,
+    ) -> list[tuple[Any, ...]]:
+        """Play the episodes (grid2op's chronic ids and reset options) on the async core."""
+        nb_episode = len(ids)
+        if max_iter is not None and max_iter < 1 and max_iter != -1:
+            raise EnvError("'max_iter' should be an int >= 1 or -1")
+        # What grid2op's episode loop (aux_fun._aux_run_one_episode) warns about and overrides.
+        core_options: list[dict[str, Any] | None] = []
+        for i in range(nb_episode):
+            option = dict(options[i] or {})
+            if KEY_TIME_SERIE_ID in option:
+                warnings.warn(_WARN_TS_ID, stacklevel=3)
+                del option[KEY_TIME_SERIE_ID]
+            if max_iter is not None:
+                if "max step" in option:
+                    warnings.warn(_WARN_MAX_STEP, stacklevel=3)
+                option.pop("max step", None)
+                if max_iter == -1:
+                    option["max step"] = -1  # "no limit", even over the runner's max_iter
+            if init_states[i] is not None:
+                if "init state" in option:
+                    warnings.warn(_WARN_INIT_STATE, stacklevel=3)
+                option.pop("init state", None)
+            core_options.append(option or None)
+        env = self._ar_template()
+        ids = [self._ar_episode_id(ep_id, env) for ep_id in ids]
+        compact = bool(self.use_compact_episode_data)
+        sinks: list[Sink] = []
+        if path_save is not None:
+            writer: Sink
+            writer = _ReplacingCompactWriter(path_save) if compact else _ReplacingWriter(path_save)
+            sinks.append(writer)
+        sums = _Sum64() if compact else None
+        if sums is not None:
+            sinks.append(sums)
+        kwargs: dict[str, Any] = dict(
+            nb_episode=nb_episode,
+            path_save=None,
+            max_iter=None if max_iter == -1 else max_iter,
+            pbar=pbar,
+            env_seeds=env_seeds,
+            agent_seeds=agent_seeds,
+            episode_id=ids,
+            init_states=init_states,
+            reset_options=core_options,
+            sinks=sinks,
+            add_detailed_output=("compact" if compact else True) if detailed else False,
+        )
+        results = self._ar_call(nb_process, nb_episode, kwargs)
+        out = []
+        for r in results:
+            cum_reward: Any
+            if sums is not None:
+                cum_reward = sums.sums.get(r.index, 0.0)
+            else:
+                cum_reward = np.float32(r.cum_reward)
+            res: tuple[Any, ...] = (
+                r.chronics_path,
+                r.name,
+                cum_reward if raw_reward else float(cum_reward),
+                r.nb_time_step,
+                r.max_ts,
+            )
+            if detailed:
+                res = (*res, self._ar_located(r, path_save))
+            if nb_highres:
+                res = (*res, r.nb_highres_sim)
+            out.append(res)
+        return out
+
+    def _ar_call(
+        self, nb_process: int, nb_episode: int, kwargs: dict[str, Any]
+    ) -> list[EpisodeResult]:
+        params = self._get_params()
+        for key in ("agentClass", "agentInstance", "logger", "mp_context", "_local_dir_cls"):
+            params.pop(key, None)  # the worker's Runner gets its defaults
+        view = _EnvView(self._ar_template(), params)
+        agent = _AgentClass(self.agentClass) if self._useclass else self.agent
+        keep = self._ar_keep
+        workers = nb_process if keep else min(nb_process, nb_episode)
+        runner = AsyncRunner(view, agent=agent, workers=workers)
+        session = self._ar_session if keep else None
+        if session is None:
+            session = _Session()
+            if keep:
+                self._ar_session = session
+        try:
+            return session.run(runner, kwargs)
+        finally:
+            if not keep:
+                session.close()
+
+    # --- helpers -----------------------------------------------------------------------------
+
+    def _ar_in_process_reason(self) -> str | None:
+        """Why this runner's episodes cannot play in worker processes (``None``: they can)."""
+        for name in _ENV_HOOKS:
+            if getattr(type(self), name) is not getattr(_GridRunner, name):
+                return (
+                    f"{type(self).__name__} overrides Runner.{name}, which worker processes "
+                    "do not call (they build the env from the runner's parameters)"
+                )
+        if not self._useclass:
+            try:
+                dumps(self.agent)
+            except Exception:
+                return (
+                    f"the agent {self.agent!r} cannot be pickled, so it cannot be sent to "
+                    "worker processes"
+                )
+        return None
+
+    def _ar_template(self) -> Any:
+        """The env this process keeps for the runs: chronic names and spaces (built once)."""
+        if self._ar_env is None:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                self._ar_env, _ = self._new_env(self.parameters)
+        return self._ar_env
+
+    def _ar_episode_id(self, ep_id: Any, env: Any) -> Any:
+        """A chronic id as grid2op reads it: ints wrap around, strings may be full paths."""
+        names = chronic_names(env)
+        if isinstance(ep_id, str):
+            if names is None or ep_id in names:
+                return ep_id
+            real = env.chronics_handler.real_data
+            for name, number in zip(names, real._order, strict=True):
+                if ep_id == real.subpaths[number]:
+                    return name
+            raise ChronicsError(
+                f'Impossible to find the chronics with id "{ep_id}". The call to '
+                "`env.chronics_handler.tell_id(...)` cannot be performed."
+            )
+        value = operator.index(ep_id)
+        return value % len(names) if names else value
+
+    @staticmethod
+    def _ar_located(result: EpisodeResult, path_save: str | os.PathLike[str] | None) -> Any:
+        """The episode's data object, pointing at where it was saved (as grid2op's does)."""
+        data = result.episode_data
+        if data is None or path_save is None:
+            return data
+        if hasattr(data, "exp_dir"):  # CompactEpisodeData
+            data.exp_dir = Path(path_save) / "CompactEpisodeData"
+        elif result.path is not None:
+            data.agent_path = os.path.abspath(os.fspath(path_save))
+            data.episode_path = result.path
+            data.serialize = True
+        return data
+
+
+class _AgentClass:
+    """Builds ``cls(action_space)`` in the worker, with the class attributes ``cls`` has here.
+
+    grid2op's processes are forked (on Linux): they see class attributes set at run time, such as
+    the action ``OneChangeThenNothing.gen_next(...)`` stores on the class. A worker imports the
+    class afresh, so the picklable ones are sent along and set before the agent is built.
+    """
+
+    def __init__(self, cls: type) -> None:
+        self.cls = cls
+        self.state: dict[str, Any] = {}
+        for name, value in vars(cls).items():
+            if name.startswith("__") or hasattr(value, "__get__"):
+                continue  # methods, properties and the like come with the class
+            try:
+                pickle.dumps(value, protocol=5)
+            except Exception:
+                continue
+            self.state[name] = value
+
+    def __call__(self, action_space: Any) -> Any:
+        for name, value in self.state.items():
+            setattr(self.cls, name, value)
+        return self.cls(action_space)
+
+
+class _EnvView:
+    """The runner's env, giving the runner's own parameters as ``get_params_for_runner()``."""
+
+    def __init__(self, env: Any, params: dict[str, Any]) -> None:
+        self._env = env
+        self._params = params
+
+    def get_params_for_runner(self) -> dict[str, Any]:
+        return dict(self._params)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._env, name)
+
+
+class _Session:
+    """An event loop in a thread of its own (anyio's blocking portal) and the pool it hosts.
+
+    The pool (an entered ``AsyncRunner``) lives in one task of that loop, from ``__aenter__`` to
+    ``aclose``, as anyio wants; runs are other tasks that use it.
+    """
+
+    def __init__(self) -> None:
+        from anyio.from_thread import start_blocking_portal
+
+        self._portal_cm = start_blocking_portal(name="asyncrunner-compat")
+        self.portal = self._portal_cm.__enter__()
+        self.runner: AsyncRunner | None = None
+        self._keeper: tuple[Future[None], anyio.Event] | None = None
+
+    def run(self, runner: AsyncRunner, kwargs: dict[str, Any]) -> list[EpisodeResult]:
+        """``runner.run(**kwargs)`` on the pool (``runner``'s, unless one alike is already up)."""
+        current = self.runner
+        if (
+            current is None
+            or current._recipes != runner._recipes
+            or current.workers != runner.workers
+        ):
+            self._stop_pool()
+            future, stop = self.portal.start_task(_keep, runner)
+            self._keeper = (future, stop)
+            self.runner = current = runner
+        return self._call(functools.partial(current.run, **kwargs))
+
+    def _call(self, fn: Callable[[], Awaitable[T]]) -> T:
+        """Run ``fn()`` on the loop and wait; interrupted (Ctrl+C), it cancels the run."""
+        finished = threading.Event()
+
+        async def task() -> T:
+            try:
+                return await fn()
+            finally:
+                finished.set()
+
+        future = self.portal.start_task_soon(task)
+        try:
+            return future.result()
+        except BaseException:
+            if not future.done():
+                future.cancel()
+                finished.wait(30)
+            raise
+
+    def _stop_pool(self) -> None:
+        keeper, self._keeper = self._keeper, None
+        self.runner = None
+        if keeper is not None:
+            future, stop = keeper
+            self.portal.call(stop.set)
+            future.result()
+
+    def close(self) -> None:
+        try:
+            self._stop_pool()
+        finally:
+            self._portal_cm.__exit__(None, None, None)
+
+
+async def _keep(
+    runner: AsyncRunner,
+    *,
+    task_status: anyio.abc.TaskStatus[anyio.Event] = anyio.TASK_STATUS_IGNORED,
+) -> None:
+    """Hold ``runner``'s pool open until the returned event is set."""
+    stop = anyio.Event()
+    async with runner:
+        task_status.started(stop)
+        await stop.wait()
+
+
+class _ReplacingWriter(EpisodeDataWriter):
+    """grid2op's saving: an episode replaces the folder of its chronic's name (atomically)."""
+
+    def _move_into_place(self, folder: str, name: str) -> str:
+        target = os.path.join(self.path, name)
+        aside = self._new_tmp(self.path)
+        try:
+            with self._lock:
+                if os.path.lexists(target):
+                    os.rename(target, aside)
+                os.rename(folder, target)
+        finally:
+            self._remove([aside])
+        return target
+
+
+class _ReplacingCompactWriter(CompactEpisodeWriter):
+    """grid2op's compact saving: an episode replaces the files of its chronic's name."""
+
+    def _move_into_place(self, tmp_meta: str, tmp_npz: str, name: str) -> str:
+        meta_path = os.path.join(self.folder, f"{name}_metadata.json")
+        npz_path = os.path.join(self.folder, f"{name}.npz")
+        with self._lock:
+            os.replace(tmp_meta, meta_path)
+            os.replace(tmp_npz, npz_path)
+        return npz_path
+
+
+class _Sum64(Sink):
+    """Each episode's cumulative reward summed in float64, as ``CompactEpisodeData`` sums it."""
+
+    needs_steps = False
+
+    def __init__(self) -> None:
+        self.sums: dict[int, float] = {}
+        self._attempts: dict[int, int] = {}
+
+    async def send(self, event: Event) -> None:
+        if isinstance(event, StepBatch):
+            if self._attempts.get(event.index) == event.attempt:
+                total = self.sums[event.index]
+                for reward in event.rewards.tolist():
+                    total += float(reward)
+                self.sums[event.index] = total
+        elif isinstance(event, EpisodeStarted):
+            self.sums[event.index] = 0.0
+            self._attempts[event.index] = event.attempt

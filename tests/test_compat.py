@@ -1,0 +1,389 @@
+"""asyncrunner.compat.Runner against grid2op's own Runner: same arguments, same tuples, same errors."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import shutil
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import grid2op
+import numpy as np
+import pytest
+from grid2op.Agent import BaseAgent, DoNothingAgent
+from grid2op.Environment import MaskedEnvironment, TimedOutEnvironment
+from grid2op.Episode import CompactEpisodeData, EpisodeData
+from grid2op.Reward import BaseReward, L2RPNReward
+from grid2op.Runner import Runner as GridRunner
+
+from asyncrunner import compat
+
+from .conftest import LightSimBackend, make_env
+
+GRID2OP_DATA = Path(grid2op.__file__).parent / "data"
+
+
+class SampleAgent(BaseAgent):  # type: ignore[misc]
+    """A random agent that costs nothing to build: samples its (seeded) action space."""
+
+    def act(self, observation: Any, reward: float, done: bool = False) -> Any:
+        return self.action_space.sample()
+
+
+class SimulatingAgent(BaseAgent):  # type: ignore[misc]
+    """Calls ``obs.simulate`` once per step (counted as a high-resolution simulation)."""
+
+    def act(self, observation: Any, reward: float, done: bool = False) -> Any:
+        observation.simulate(self.action_space({}))
+        return self.action_space({})
+
+
+class TagReward(BaseReward):  # type: ignore[misc]
+    """Rewards each step with the ``tag`` the backend was built with (see TaggedBackend)."""
+
+    def __call__(self, action: Any, env: Any, *args: Any) -> float:
+        return float(env.backend._my_kwargs["tag"])
+
+
+if LightSimBackend is not None:
+
+    class TaggedBackend(LightSimBackend):  # type: ignore[misc,valid-type]
+        """LightSim with one more constructor argument, kept in ``_my_kwargs`` (backend_kwargs)."""
+
+        def __init__(self, tag: float = 0.0, **kwargs: Any) -> None:
+            super().__init__(**kwargs)
+            self._my_kwargs["tag"] = tag
+
+
+def quiet(fn: Any, *args: Any, **kwargs: Any) -> Any:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return fn(*args, **kwargs)
+
+
+def grid_runner(env: Any, **kwargs: Any) -> Any:
+    return quiet(GridRunner, **env.get_params_for_runner(), **kwargs)
+
+
+def compat_runner(env: Any, **kwargs: Any) -> compat.Runner:
+    runner: compat.Runner = quiet(compat.Runner, **env.get_params_for_runner(), **kwargs)
+    return runner
+
+
+def head(results: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
+    """The 5 fields grid2op always returns (chronics path as str: grid2op gives numpy's str)."""
+    return [(str(r[0]), *r[1:5]) for r in results]
+
+
+def same_array(a: Any, b: Any) -> bool:
+    return bool(np.array_equal(np.asarray(a), np.asarray(b), equal_nan=True))
+
+
+def assert_same_episode_data(ours: Any, theirs: Any) -> None:
+    assert type(ours) is type(theirs) is EpisodeData
+    assert ours.name == theirs.name
+    assert ours.meta == theirs.meta
+    assert ours.parameters == theirs.parameters
+    assert ours.other_rewards == theirs.other_rewards
+    assert set(ours.episode_times) == set(theirs.episode_times)
+    for name in ("rewards", "disc_lines", "legal", "ambiguous"):
+        assert same_array(getattr(ours, name), getattr(theirs, name)), name
+    assert np.shape(ours.times) == np.shape(theirs.times)
+    for name in ("actions", "observations", "env_actions", "attacks"):
+        mine, other = getattr(ours, name), getattr(theirs, name)
+        assert same_array(mine.collection, other.collection), name
+        assert len(mine) == len(other), name
+        assert len(mine.objects) == len(other.objects), name
+        for a, b in zip(mine.objects, other.objects, strict=True):
+            assert (a is None) == (b is None), name
+            if a is not None:
+                assert same_array(a.to_vect(), b.to_vect()), name
+    assert ours.observations[0] is not None
+
+
+@pytest.mark.parametrize(
+    ("name", "agent", "make_kwargs", "episode_id"),
+    [
+        # a high-resolution simulation per step, another reward, an id beyond the chronics count
+        (
+            "l2rpn_case14_sandbox",
+            SimulatingAgent,
+            {"other_rewards": {"l2": L2RPNReward}},
+            [0, 4, 2],
+        ),
+        # an opponent (attacks in the EpisodeData), a random agent
+        ("rte_case14_opponent", SampleAgent, {}, [0, 1, 0]),
+    ],
+)
+def test_run_matches_grid2op_with_detailed_output(
+    name: str, agent: type[BaseAgent], make_kwargs: dict[str, Any], episode_id: list[int]
+) -> None:
+    env = make_env(name, **make_kwargs)
+    kwargs: dict[str, Any] = dict(
+        nb_episode=3,
+        max_iter=8,
+        env_seeds=[11, 12, 13],
+        agent_seeds=[21, 22, 23],
+        episode_id=episode_id,
+        add_detailed_output=True,
+        add_nb_highres_sim=True,
+    )
+    expected = quiet(grid_runner(env, agentClass=agent).run, nb_process=1, **kwargs)
+    runner = compat_runner(env, agentClass=agent)
+    results = quiet(runner.run, nb_process=2, **kwargs)
+    runner.close()
+    assert head(results) == head(expected)
+    assert [len(r) for r in results] == [7, 7, 7]
+    assert [r[6] for r in results] == [r[6] for r in expected]
+    if agent is SimulatingAgent:
+        assert [r[6] for r in results] == [r[3] for r in results]  # one per step
+    for ours, theirs in zip(results, expected, strict=True):
+        assert_same_episode_data(ours[5], theirs[5])
+    env.close()
+
+
+def test_compact_episode_data_matches_grid2op(tmp_path: Path) -> None:
+    env = make_env()
+    kwargs: dict[str, Any] = dict(
+        nb_episode=2,
+        max_iter=6,
+        env_seeds=[1, 2],
+        agent_seeds=[3, 4],
+        add_detailed_output=True,
+    )
+    theirs_path, ours_path = tmp_path / "grid2op", tmp_path / "compat"
+    theirs_path.mkdir()  # grid2op's CompactEpisodeData needs it
+    expected = quiet(
+        grid_runner(env, agentClass=SampleAgent, use_compact_episode_data=True).run,
+        path_save=theirs_path,
+        **kwargs,
+    )
+    runner = compat_runner(env, agentClass=SampleAgent, use_compact_episode_data=True)
+    results = quiet(runner.run, path_save=ours_path, **kwargs)
+    runner.close()
+    # CompactEpisodeData sums the rewards in float64: so does compat, to the last bit.
+    assert head(results) == head(expected)
+    for ours, theirs in zip(results, expected, strict=True):
+        mine, other = ours[5], theirs[5]
+        assert type(mine) is type(other) is CompactEpisodeData
+        assert mine.meta == other.meta
+        assert len(mine) == len(other)
+        assert mine.exp_dir == ours_path / "CompactEpisodeData"
+        for array in mine.array_names:
+            assert same_array(getattr(mine, array), getattr(other, array)) or array == "times"
+        on_disk = CompactEpisodeData.from_disk(ours_path, mine.ep_id)
+        for array in ("actions", "observations", "rewards", "other_rewards", "legal"):
+            assert same_array(getattr(on_disk, array), getattr(other, array)), array
+
+
+def test_a_with_block_keeps_one_pool_and_saving_replaces_like_grid2op(tmp_path: Path) -> None:
+    env = make_env()
+    path = tmp_path / "runs"
+    kwargs: dict[str, Any] = dict(nb_episode=2, env_seeds=[5, 6], agent_seeds=[7, 8])
+    with compat_runner(env, agentClass=DoNothingAgent) as runner:
+        first = runner.run(path_save=path, max_iter=4, nb_process=2, **kwargs)
+        session = runner._ar_session
+        assert session is not None and session.runner is not None
+        pool = session.runner
+        second = runner.run(path_save=path, max_iter=6, nb_process=2, **kwargs)
+        assert runner._ar_session is session and session.runner is pool
+        pids = set(pool._pids)
+        assert 1 <= len(pids) <= 2  # the pool's two workers served both runs
+    assert runner._ar_session is None
+    assert [r[3] for r in first] == [4, 4] and [r[3] for r in second] == [6, 6]
+    expected = quiet(grid_runner(env, agentClass=DoNothingAgent).run, max_iter=6, **kwargs)
+    assert head(second) == head(expected)
+    # As grid2op does, the second run replaced the first one's folders.
+    listed = sorted(name for _, name in EpisodeData.list_episode(str(path)))
+    assert listed == ["0000", "0001"]
+    assert len(EpisodeData.from_disk(str(path), "0000").actions) == 6
+    for pid in pids:  # the workers stopped with the block
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
+
+@pytest.fixture(scope="module")
+def runners() -> Iterator[tuple[Any, compat.Runner]]:
+    env = make_env()
+    ours = compat_runner(env)
+    yield grid_runner(env), ours
+    ours.close()
+    env.close()
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(nb_episode=-1),
+        dict(nb_episode=2, env_seeds=[1]),
+        dict(nb_episode=2, agent_seeds=[1, 2, 3]),
+        dict(nb_episode=2, episode_id=[0]),
+        dict(nb_episode=2, init_states=[{}]),
+        dict(nb_episode=1, init_states=[1]),
+        dict(nb_episode=1, init_states="set_line_status"),
+        dict(nb_episode=1, reset_options={"bogus": 1}),
+        dict(nb_episode=1, reset_options=[{"bogus": 1}]),
+        dict(nb_episode=1, reset_options=[1]),
+        dict(nb_episode=1, reset_options="max step"),
+        dict(nb_episode=1, nb_process=0),
+        dict(nb_episode=1, max_iter="ten"),
+        dict(nb_episode=1, max_iter=0),
+        dict(nb_episode=1, episode_id=["no_such_chronic"]),
+    ],
+)
+def test_bad_arguments_raise_grid2op_errors(
+    runners: tuple[Any, compat.Runner], kwargs: dict[str, Any]
+) -> None:
+    theirs, ours = runners
+    with pytest.raises(Exception) as expected:
+        quiet(theirs.run, **kwargs)
+    with pytest.raises(expected.type) as raised:
+        quiet(ours.run, **kwargs)
+    assert str(raised.value) == str(expected.value)
+    assert ours._ar_session is None  # failed before any worker started
+
+
+def test_run_one_episode_matches_grid2op() -> None:
+    env = make_env()
+    kwargs: dict[str, Any] = dict(max_iter=5, env_seed=3, agent_seed=4, add_nb_highres_sim=True)
+    expected = quiet(
+        grid_runner(env, agentClass=SampleAgent).run_one_episode,
+        reset_options={"time serie id": 1},
+        detailed_output=True,
+        **kwargs,
+    )
+    runner = compat_runner(env, agentClass=SampleAgent)
+    options = {"time serie id": 1}
+    result = runner.run_one_episode(reset_options=options, detailed_output=True, **kwargs)
+    assert options == {}  # grid2op takes the id out of the caller's dict
+    assert head([result]) == head([expected]) and result[1] == "0001"
+    assert type(result[2]) is type(expected[2]) is np.float32
+    assert result[6] == expected[6] == 0
+    assert_same_episode_data(result[5], expected[5])
+    # grid2op's warning, in the caller's thread: episode_id wins over "time serie id".
+    with pytest.warns(UserWarning, match="time serie id"):
+        again = runner.run_one_episode(reset_options={"time serie id": 1}, episode_id=2, max_iter=3)
+    assert len(again) == 5 and again[1] == "0002" and again[4] == 3  # max_ts: max_iter
+    runner.close()
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_run_called_where_an_event_loop_is_running() -> None:
+    env = make_env()
+    kwargs: dict[str, Any] = dict(nb_episode=2, max_iter=5, env_seeds=[1, 2], agent_seeds=[3, 4])
+    expected = quiet(grid_runner(env, agentClass=SampleAgent).run, **kwargs)
+    runner = compat_runner(env, agentClass=SampleAgent)
+    results = runner.run(nb_process=2, **kwargs)  # sync code, called from a coroutine
+    assert head(results) == head(expected)
+    env.close()
+
+
+def test_l2rpn_2020_score_is_the_same_with_compat(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import grid2op.utils.underlying_statistics as statistics
+    from grid2op.utils import ScoreL2RPN2020
+
+    def score(folder: str) -> Any:
+        # The statistics are stored in the env's folder: each computation gets its own copy.
+        path = tmp_path / folder / "l2rpn_case14_sandbox"
+        shutil.copytree(GRID2OP_DATA / "l2rpn_case14_sandbox", path)
+        env = make_env(str(path))
+        scorer = quiet(
+            ScoreL2RPN2020,
+            env,
+            nb_scenario=2,
+            max_step=10,
+            env_seeds=[1, 2],
+            agent_seeds=[3, 4],
+        )
+        agent = SampleAgent(env.action_space)
+        result = quiet(scorer.get, agent, nb_process=2)
+        env.close()
+        return result
+
+    expected = score("grid2op")
+    monkeypatch.setattr(statistics, "Runner", compat.Runner)
+    assert score("compat") == expected
+
+
+def test_an_agent_that_cannot_be_pickled_plays_in_process() -> None:
+    env = make_env()
+    agent = SampleAgent(env.action_space)
+    agent.lock = multiprocessing.Lock().__enter__  # a bound method of a lock: not picklable
+    kwargs: dict[str, Any] = dict(nb_episode=2, max_iter=4, env_seeds=[1, 2], agent_seeds=[3, 4])
+    expected = quiet(grid_runner(env, agentClass=None, agentInstance=agent).run, **kwargs)
+    runner = compat_runner(env, agentClass=None, agentInstance=agent)
+    with pytest.warns(UserWarning, match="cannot be pickled"):
+        results = runner.run(nb_process=2, **kwargs)
+    assert head(results) == head(expected)
+    assert runner._ar_session is None and runner._ar_env is None  # no worker, no extra env
+    env.close()
+
+
+class _HookedRunner(compat.Runner):
+    """Overrides how the env is built: workers, which build it from the parameters, cannot."""
+
+    def init_env(self) -> Any:
+        env = super().init_env()
+        env.set_thermal_limit(env.get_thermal_limit() * 0.5)
+        return env
+
+
+def test_a_subclass_building_the_env_itself_plays_in_process() -> None:
+    env = make_env()
+    runner = quiet(_HookedRunner, **env.get_params_for_runner(), agentClass=DoNothingAgent)
+    with pytest.warns(UserWarning, match="overrides Runner.init_env"):
+        (low,) = runner.run(nb_episode=1, max_iter=20, env_seeds=[1])
+    (normal,) = quiet(grid_runner(env).run, nb_episode=1, max_iter=20, env_seeds=[1])
+    assert low[3] < normal[3]  # the hook did act: lower limits, earlier game over
+    env.close()
+
+
+def _local_dir_env(tmp_path: Path) -> Any:
+    # experimental_read_from_local_dir reads classes generated in the env's folder: a copy.
+    path = tmp_path / "l2rpn_case14_sandbox"
+    shutil.copytree(GRID2OP_DATA / "l2rpn_case14_sandbox", path)
+    env = quiet(grid2op.make, str(path))
+    quiet(env.generate_classes)
+    env.close()
+    return quiet(grid2op.make, str(path), experimental_read_from_local_dir=True)
+
+
+@pytest.mark.parametrize("kind", ["timed_out", "masked", "local_dir", "backend_kwargs"])
+def test_env_kinds_grid2op_builds_specially(kind: str, tmp_path: Path) -> None:
+    agent: type[BaseAgent] = SampleAgent
+    expected_type = "Environment"
+    if kind == "timed_out":
+        env = TimedOutEnvironment(make_env(), time_out_ms=1e6)
+        expected_type = "TimedOutEnvironment"
+    elif kind == "masked":
+        lines = np.arange(20) < 10
+        env = MaskedEnvironment(make_env(), lines_of_interest=lines)
+        expected_type = "MaskedEnvironment"
+    elif kind == "local_dir":
+        env = _local_dir_env(tmp_path)
+        assert env.get_params_for_runner()["_read_from_local_dir"] is not None
+        agent = DoNothingAgent
+    else:
+        if LightSimBackend is None:
+            pytest.skip("needs lightsim2grid")
+        env = make_env(backend=TaggedBackend(tag=2.5), reward_class=TagReward)
+        assert env.get_params_for_runner()["backend_kwargs"]["tag"] == 2.5
+    kwargs: dict[str, Any] = dict(
+        nb_episode=2, max_iter=5, env_seeds=[1, 2], agent_seeds=[3, 4], episode_id=[1, 0]
+    )
+    expected = quiet(grid_runner(env, agentClass=agent).run, **kwargs)
+    runner = compat_runner(env, agentClass=agent)
+    results = quiet(runner.run, add_detailed_output=True, **kwargs)
+    runner.close()
+    assert head(results) == head(expected)
+    for result in results:  # what the worker built
+        assert result[5].meta["env_type"].startswith(expected_type)
+    if kind == "backend_kwargs":
+        assert [r[2] for r in results] == [2.5 * 5, 2.5 * 5]
+    env.close()

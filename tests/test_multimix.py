@@ -1,0 +1,123 @@
+"""MultiMixEnvironment: one run over every mix, against grid2op's Runner on each mix."""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from grid2op.Episode import EpisodeData
+from grid2op.Runner import Runner as GridRunner
+
+from asyncrunner import AsyncRunner, EpisodeStarted, compat
+from asyncrunner.sinks import CallbackSink
+
+from .conftest import make_env
+from .test_compat import SampleAgent
+
+# l2rpn_neurips_2020_track2 (test data): two mixes, "x1" and "x2.5", two chronics each.
+MIXES = ["x1", "x2.5"]
+KWARGS: dict[str, Any] = dict(max_iter=4, env_seeds=[7], agent_seeds=[8], episode_id=[1])
+
+
+def quiet(fn: Any, *args: Any, **kwargs: Any) -> Any:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return fn(*args, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def multimix() -> Iterator[Any]:
+    env = make_env("l2rpn_neurips_2020_track2")
+    assert list(env.keys()) == MIXES
+    yield env
+    env.close()
+
+
+@pytest.fixture(scope="module")
+def expected(multimix: Any) -> dict[str, tuple[Any, ...]]:
+    """What grid2op's Runner gives on each mix, as grid2op's users run a multimix env."""
+    out = {}
+    for name, mix in multimix.items():
+        runner = quiet(GridRunner, **mix.get_params_for_runner(), agentClass=SampleAgent)
+        (result,) = quiet(runner.run, nb_episode=1, **KWARGS)
+        out[name] = (str(result[0]), *result[1:5])
+    return out
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_one_run_covers_every_mix(
+    multimix: Any, expected: dict[str, tuple[Any, ...]], tmp_path: Path
+) -> None:
+    started: list[EpisodeStarted] = []
+    sink = CallbackSink(lambda e: started.append(e) if isinstance(e, EpisodeStarted) else None)
+    async with AsyncRunner(multimix, agent=SampleAgent, workers=2) as runner:
+        results = await runner.run(
+            1, path_save=tmp_path, add_detailed_output=True, sinks=[sink], **KWARGS
+        )
+        # (mix, episode id) pairs: exactly those episodes, in that order.
+        pairs = await runner.run(
+            2,
+            max_iter=4,
+            env_seeds=[7, 7],
+            agent_seeds=[8, 8],
+            episode_id=[("x2.5", 1), ("x1", "002")],
+        )
+        resumed = await runner.run(1, path_save=tmp_path, resume=True, **KWARGS)
+    # Every mix played the requested episode, with grid2op's results for that mix.
+    assert [r.mix for r in results] == MIXES
+    assert [r.index for r in results] == [0, 1]
+    assert [r.as_tuple() for r in results] == [expected[m] for m in MIXES]
+    assert sorted(e.mix for e in started) == MIXES
+    assert [r.mix for r in pairs] == ["x2.5", "x1"]
+    assert [r.as_tuple() for r in pairs] == [expected["x2.5"], expected["x1"]]
+    # Saved as grid2op users save a multimix run: one grid2op folder per mix.
+    for r in results:
+        assert r.mix is not None and r.name is not None
+        assert r.path == str(tmp_path / r.mix / r.name)
+        assert EpisodeData.list_episode(str(tmp_path / r.mix)) == [(str(tmp_path / r.mix), r.name)]
+        on_disk = quiet(EpisodeData.from_disk, str(tmp_path / r.mix), r.name)
+        assert len(on_disk.actions) == r.nb_time_step == 4
+        # add_detailed_output: the EpisodeData, built with that mix's spaces
+        assert isinstance(r.episode_data, EpisodeData)
+        assert r.episode_data.meta["chronics_path"] == r.chronics_path
+        assert len(r.episode_data.observations) == 5
+    # resume reads them back, mix by mix.
+    assert [(r.mix, r.path) for r in resumed] == [(r.mix, r.path) for r in results]
+    assert [r.as_tuple() for r in resumed] == [r.as_tuple() for r in results]
+    assert sorted(os.listdir(tmp_path)) == MIXES
+
+
+def test_compat_runner_on_each_mix(multimix: Any, expected: dict[str, tuple[Any, ...]]) -> None:
+    # grid2op's documented way: one Runner per mix. The second mix's backend class is the one
+    # grid2op built for the grid: it still reaches the workers.
+    mix = multimix["x2.5"]
+    runner = quiet(compat.Runner, **mix.get_params_for_runner(), agentClass=SampleAgent)
+    (result,) = runner.run(nb_episode=1, **KWARGS)
+    runner.close()
+    assert (str(result[0]), *result[1:5]) == expected["x2.5"]
+
+
+@pytest.mark.parametrize(
+    ("episode_id", "error", "words"),
+    [
+        ([("x3", 0)], ValueError, "unknown mix 'x3'"),
+        ([("x1", 5)], ValueError, "out of range"),
+        ([("x1", 0), 1], TypeError, "all \\(mix, episode id\\) pairs"),
+        ([7], ValueError, "out of range"),
+    ],
+)
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_bad_multimix_episode_ids_fail_before_any_work(
+    multimix: Any, episode_id: list[Any], error: type[Exception], words: str
+) -> None:
+    runner = AsyncRunner(multimix, agent=SampleAgent, workers=1)
+    with pytest.raises(error, match=words):
+        await runner.run(len(episode_id), episode_id=episode_id)
+    assert runner._pids == set()  # no worker was started
+    await runner.aclose()
