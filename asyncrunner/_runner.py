@@ -19,6 +19,7 @@ from ._channel import Channel
 from ._dask import as_dask
 from ._events import Event
 from ._exceptions import AsyncRunnerError, EpisodeError
+from ._forkpool import ForkPool, available
 from ._multimix import OnlyMix, mixes_of, plan_mixes, resume_mixes, runner_params
 from ._plan import check_path_save, chronic_names, plan_episodes
 from ._results import EpisodeResult
@@ -32,6 +33,9 @@ T = TypeVar("T")
 
 # Seconds an idle worker gets to exit on its own when the runner closes.
 _STOP_GRACE = 5.0
+# Local workers are forked from this process where that is safe (Linux): a fresh interpreter
+# (anyio.to_process, used elsewhere) first spends about 2 s importing grid2op.
+_FORK = available()
 
 
 def _agent_recipe(agent: Any) -> tuple[str, Any]:
@@ -60,7 +64,7 @@ class AsyncRunner(AsyncResource):
     ``agent``: a ``BaseAgent`` subclass (built in the worker with the env's action space), an
     instance (copied for each episode, as grid2op does) or a picklable ``(action_space) -> agent``.
     ``workers``: episodes run at once (default: CPU count). ``executor``: ``None`` for local
-    processes through ``anyio.to_process``, a ``concurrent.futures.Executor``, or a Dask cluster
+    processes (forked from this one on Linux, ``anyio.to_process`` elsewhere), a ``concurrent.futures.Executor``, or a Dask cluster
     (a ``distributed.Client``, a scheduler address or an ``asyncrunner.DaskExecutor``).
     The pool lives as long as the runner: use ``async with`` or ``await runner.aclose()``.
     """
@@ -135,6 +139,7 @@ class AsyncRunner(AsyncResource):
         )
         self._space_dicts: dict[str, Any] | None = None
         self._limiter: anyio.CapacityLimiter | None = None
+        self._pool: ForkPool | None = None
         self._pids: set[int] = set()
         self._warm_group: TaskGroup | None = None
         self._closed = False
@@ -174,6 +179,9 @@ class AsyncRunner(AsyncResource):
             return
         if self.executor is not None:
             return  # the caller's executor: theirs to shut down
+        if self._pool is not None:
+            await self._pool.aclose()
+            return
         # anyio keeps its process pool per event loop and has no public way to stop it; we stop
         # the idle processes that served this runner so none outlives it.
         try:
@@ -211,6 +219,10 @@ class AsyncRunner(AsyncResource):
         if self._dask is not None:
             async with self._limiter:
                 return await self._dask.call(fn, *args)
+        if self.executor is None and _FORK:
+            if self._pool is None:
+                self._pool = ForkPool(self._limiter)
+            return await self._pool.call(fn, *args)
         if self.executor is None:
             return await anyio.to_process.run_sync(
                 fn, *args, cancellable=True, limiter=self._limiter

@@ -8,6 +8,7 @@ bit for bit. Steps go back in batches over the run's channel (``_channel``), not
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import io
 import os
@@ -108,10 +109,19 @@ class _Cached:
         from grid2op.Agent import DoNothingAgent
         from grid2op.Runner import Runner
 
+        class OnceRunner(Runner):  # type: ignore[misc]  # grid2op is untyped
+            # On Linux grid2op's Runner.__init__ builds an env (with init_env) and closes it;
+            # keep that one instead of building a second (each build parses the grid: ~1 s).
+            def init_env(self) -> Any:
+                env, self.agent = self._new_env(self.parameters)
+                self.built = env
+                return contextlib.nullcontext(env)
+
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            runner = Runner(**recipe.params, agentClass=DoNothingAgent)
-            self.env, _ = runner._new_env(runner.parameters)
+            runner = OnceRunner(**recipe.params, agentClass=DoNothingAgent)
+            built = getattr(runner, "built", None)
+            self.env = built if built is not None else runner._new_env(runner.parameters)[0]
         env = self.env
         self.recipe = recipe
         self.agent_template = recipe.agent

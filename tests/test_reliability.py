@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import pickle
 import signal
+import sys
 import time
 from typing import Any
 
@@ -12,6 +13,7 @@ import anyio
 import pytest
 from grid2op.Agent import BaseAgent, DoNothingAgent
 
+import asyncrunner._runner
 from asyncrunner import AsyncRunner, EpisodeError, EpisodeFailed, EpisodeStarted, StepBatch
 from asyncrunner.sinks import CallbackSink
 
@@ -188,7 +190,12 @@ async def test_cancelling_a_run_stops_workers_and_keeps_finished_episodes(
     assert leftovers == set()
 
 
-async def test_runner_close_leaves_no_worker_process(env: Any) -> None:
+@pytest.mark.parametrize("forked", [True, False], ids=["forked", "anyio.to_process"])
+async def test_runner_close_leaves_no_worker_process(
+    env: Any, forked: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Without fork (not Linux) local workers are anyio.to_process's fresh interpreters.
+    monkeypatch.setattr(asyncrunner._runner, "_FORK", forked)
     before = children()
     async with AsyncRunner(env, agent=DoNothingAgent, workers=2) as runner:
         await runner.run(2, max_iter=5)
@@ -229,3 +236,46 @@ async def test_unusable_path_save_is_rejected_before_work(env: Any, tmp_path: An
         await runner.run(1, path_save=a_file / "sub")
     assert runner._pids == set()
     await runner.aclose()
+
+
+ORPHANS = """
+import os, sys, warnings
+import anyio, grid2op
+from grid2op.Agent import DoNothingAgent
+from asyncrunner import AsyncRunner
+
+async def main():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        env = grid2op.make("l2rpn_case14_sandbox", test=True)
+    runner = AsyncRunner(env, agent=DoNothingAgent, workers=2)
+    await runner.run(2, max_iter=2)
+    print(*runner._pool.pids, flush=True)
+    os._exit(0)  # dies without closing the runner
+
+anyio.run(main)
+"""
+
+
+async def test_forked_workers_exit_when_their_parent_dies(tmp_path: Any) -> None:
+    script = tmp_path / "orphans.py"
+    script.write_text(ORPHANS)
+    with anyio.fail_after(120):  # orphans holding its stdout would keep this waiting
+        done = await anyio.run_process([sys.executable, str(script)], check=True)
+    pids = [int(p) for p in done.stdout.split()]
+    assert len(pids) == 2
+
+    def alive() -> list[int]:
+        living = []
+        for pid in pids:
+            try:
+                with open(f"/proc/{pid}/stat") as f:
+                    if f.read().rsplit(")", 1)[1].split()[0] != "Z":
+                        living.append(pid)
+            except OSError:
+                pass
+        return living
+
+    with anyio.fail_after(10):
+        while alive():  # noqa: ASYNC110 - a process exit elsewhere has no event
+            await anyio.sleep(0.05)
