@@ -87,6 +87,7 @@ class _Worker:
             self.conn.send((fn, args))
             status, value = self.conn.recv()
         except (EOFError, OSError) as exc:
+            self.process.join(1.0)  # it is ending: its exit code tells how
             code = self.process.exitcode
             raise BrokenWorkerProcess(
                 f"worker process {self.pid} ended (exit code {code})"

@@ -1,0 +1,93 @@
+"""The local pool of forked workers: calls, errors, deaths, cancellation, closing."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from typing import Any
+
+import anyio
+import pytest
+from anyio import BrokenWorkerProcess
+
+from asyncrunner._forkpool import ForkPool
+
+pytestmark = pytest.mark.anyio
+
+
+def pid_plus(value: int) -> tuple[int, int]:
+    return os.getpid(), value + 1
+
+
+def fails() -> None:
+    raise KeyError("from the worker")
+
+
+def unpicklable() -> Any:
+    return threading.Lock()
+
+
+def dies() -> None:
+    os._exit(3)
+
+
+def sleeps(path: str) -> None:
+    with open(path, "w") as f:
+        f.write(str(os.getpid()))
+    time.sleep(60)
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+async def test_calls_run_in_a_kept_forked_worker() -> None:
+    pool = ForkPool(anyio.CapacityLimiter(1))
+    first = await pool.call(pid_plus, 1)
+    second = await pool.call(pid_plus, 41)
+    assert first[0] != os.getpid() and first == (first[0], 2)
+    assert second == (first[0], 42)  # the same worker, kept between calls
+    await pool.aclose()
+    assert not alive(first[0])
+
+
+async def test_an_error_comes_back_and_the_worker_stays() -> None:
+    pool = ForkPool(anyio.CapacityLimiter(1))
+    pid, _ = await pool.call(pid_plus, 0)
+    with pytest.raises(KeyError, match="from the worker"):
+        await pool.call(fails)
+    with pytest.raises(RuntimeError, match="cannot be sent"):
+        await pool.call(unpicklable)
+    assert (await pool.call(pid_plus, 0))[0] == pid
+    await pool.aclose()
+
+
+async def test_a_worker_that_dies_fails_its_call_and_is_replaced() -> None:
+    pool = ForkPool(anyio.CapacityLimiter(1))
+    pid, _ = await pool.call(pid_plus, 0)
+    with pytest.raises(BrokenWorkerProcess, match="exit code 3"):
+        await pool.call(dies)
+    assert pool.pids == set()
+    new, _ = await pool.call(pid_plus, 0)
+    assert new != pid
+    await pool.aclose()
+
+
+async def test_a_cancelled_call_kills_its_worker(tmp_path: Any) -> None:
+    pool = ForkPool(anyio.CapacityLimiter(2))
+    marker = tmp_path / "pid"
+    async with anyio.create_task_group() as group:
+        group.start_soon(pool.call, sleeps, str(marker))
+        with anyio.fail_after(30):
+            while not marker.exists() or not marker.read_text():  # noqa: ASYNC110
+                await anyio.sleep(0.01)
+        group.cancel_scope.cancel()
+    pid = int(marker.read_text())
+    assert not alive(pid)
+    assert pool.pids == set()
+    await pool.aclose()

@@ -1,0 +1,77 @@
+"""Run arguments are checked before any work, with messages that say what to do."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import pytest
+
+from asyncrunner._plan import check_path_save, plan_episodes
+
+NAMES = ["0000", "0001", "0002"]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "message"),
+    [
+        (dict(nb_episode=1.5), TypeError, "`nb_episode` must be an integer"),
+        (dict(nb_episode=-1), ValueError, "`nb_episode` must be >= 0"),
+        (dict(max_iter="10"), TypeError, "`max_iter` must be an integer or None"),
+        (dict(max_iter=0), ValueError, r"or -1 for no limit"),
+        (dict(env_seeds=7), TypeError, "one entry per episode, got int"),
+        (dict(env_seeds="12"), TypeError, "one entry per episode, got str"),
+        (dict(agent_seeds=[1]), ValueError, "has 1 entries but nb_episode=2"),
+        (dict(env_seeds=[1, "x"]), TypeError, "entries must be integers"),
+        (dict(env_seeds=[1, -2]), ValueError, "non-negative integers, got -2"),
+        (dict(init_states=[{}, 3]), TypeError, "dicts or grid2op actions, got 3"),
+        (dict(reset_options=[{}, "x"]), TypeError, "entries must be dicts"),
+        (dict(reset_options={"seed": 1}), ValueError, r"unknown keys \['seed'\]"),
+        (dict(episode_id=["0000", "nope"]), ValueError, "'nope' is not a chronic"),
+        (dict(episode_id=[0, 1.5j]), TypeError, "integers or chronic names"),
+        (dict(episode_id=[0, 3]), ValueError, "this env has 3 chronics"),
+        (dict(episode_id=[0, -1]), ValueError, "out of range"),
+    ],
+)
+def test_bad_arguments(kwargs: dict[str, Any], error: type[Exception], message: str) -> None:
+    kwargs = {"nb_episode": 2, **kwargs}
+    with pytest.raises(error, match=message):
+        plan_episodes(names=NAMES, **kwargs)
+
+
+def test_requests_follow_grid2op_conventions() -> None:
+    requests = plan_episodes(
+        4,
+        names=NAMES,
+        max_iter=-1,
+        env_seeds=[1, 2, 3, 4],
+        reset_options={"time serie id": 2, "max step": 7},
+    )
+    # -1 means no limit; "time serie id" in reset_options picks the chronic when no id is given.
+    assert [(r.episode_id, r.max_iter, r.env_seed) for r in requests] == [
+        (2, None, 1),
+        (2, None, 2),
+        (2, None, 3),
+        (2, None, 4),
+    ]
+    assert requests[0].reset_options == {"max step": 7}
+    plain = plan_episodes(4, names=NAMES, episode_id=None)
+    assert [r.episode_id for r in plain] == [0, 1, 2, 0]  # chronics in turn, wrapping around
+    named = plan_episodes(2, names=None, episode_id=["0001", 5])
+    assert [r.episode_id for r in named] == ["0001", 5]  # no names to check against
+
+
+def test_path_save_must_be_a_writable_folder(tmp_path: Any) -> None:
+    file = tmp_path / "file"
+    file.write_text("")
+    with pytest.raises(ValueError, match="is a file"):
+        check_path_save(file)
+    with pytest.raises(ValueError, match="cannot be created"):
+        check_path_save(file / "below")
+    created = check_path_save(tmp_path / "new" / "runs")
+    assert os.path.isdir(created) and os.path.isabs(created)
+    if os.geteuid() != 0:  # root writes anywhere
+        locked = tmp_path / "locked"
+        locked.mkdir(mode=0o500)
+        with pytest.raises(ValueError, match="is not writable"):
+            check_path_save(locked)
