@@ -201,13 +201,13 @@ async def open_channel(max_buffer: int = 64, listen: str | None = None) -> Async
     ``"tcp://HOST:PORT"`` (port 0: any free one) for workers elsewhere; ``HOST`` is both where
     the run listens and what workers connect to.
     """
+    tcp = None if listen is None else _tcp(listen)
+    if listen is not None and tcp is None:
+        raise ValueError(f"`listen` must look like tcp://HOST:PORT, got {listen!r}")
     folder = tempfile.mkdtemp(prefix="asyncrunner-")
     address = os.path.join(folder, "channel")
     send, receive = anyio.create_memory_object_stream[Any](max_buffer)
     try:
-        tcp = None if listen is None else _tcp(listen)
-        if listen is not None and tcp is None:
-            raise ValueError(f"`listen` must look like tcp://HOST:PORT, got {listen!r}")
         listener: Any
         if tcp is None:
             listener = await anyio.create_unix_listener(address)

@@ -1,0 +1,59 @@
+"""The worker → runner channel: Unix socket or TCP, claims, and what a worker sees when it is gone."""
+
+from __future__ import annotations
+
+import anyio
+import anyio.to_thread
+import pytest
+
+from asyncrunner import _channel
+from asyncrunner._channel import ChannelClosed, claim, connect, open_channel
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture(autouse=True)
+def no_kept_connection(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The worker side keeps one connection per process: start and end each test without one.
+    monkeypatch.setattr(_channel, "_connection", None)
+
+
+@pytest.mark.parametrize("listen", [None, "tcp://127.0.0.1:0"], ids=["unix", "tcp"])
+async def test_events_and_claims_reach_the_runner(listen: str | None) -> None:
+    async with open_channel(listen=listen) as channel:
+        if listen is not None:
+            assert channel.address.startswith("tcp://127.0.0.1:")
+
+        def worker() -> tuple[bool, bool]:
+            send = connect(channel.address, channel.token)
+            send({"step": 1})
+            return claim(channel.address, channel.token, "0/1"), claim(
+                channel.address, channel.token, "0/1"
+            )
+
+        first, again = await anyio.to_thread.run_sync(worker)
+        with anyio.fail_after(10):
+            assert await channel.receive.receive() == {"step": 1}
+        assert (first, again) == (True, False)  # an attempt is played once
+        assert "0/1" in channel.claims
+    # The run is over: the worker's next send tells it to stop.
+    send = _channel._connection
+    assert send is not None
+
+    def late() -> None:
+        for _ in range(100):  # the peer's close may take a few sends to show
+            connect(channel.address, channel.token)({"step": 2})
+
+    with pytest.raises(ChannelClosed, match="channel closed"):
+        await anyio.to_thread.run_sync(late)
+
+
+async def test_a_worker_that_cannot_reach_the_runner_is_told(tmp_path: anyio.Path) -> None:
+    with pytest.raises(ChannelClosed, match="cannot reach the runner"):
+        await anyio.to_thread.run_sync(connect, str(tmp_path / "nothing"), "token")
+
+
+async def test_listen_must_be_a_tcp_address() -> None:
+    with pytest.raises(ValueError, match=r"tcp://HOST:PORT"):
+        async with open_channel(listen="udp://127.0.0.1:0"):
+            pass
