@@ -150,3 +150,29 @@ def test_example_script_runs(tmp_path: Path) -> None:
     assert len(lines) == 2
     for i, line in enumerate(lines):
         assert line.startswith(f"episode {i}: chronic 000{i}, 3/3 steps, reward ")
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--episodes", "x"], "expected an integer, got 'x'"),
+        (["--max-iter", "0"], "or -1 for no limit"),
+        (["--agent", "grid2op.Agent:"], "expected module:Name or path/to/file.py:Name"),
+        (["--agent", "grid2op.Agent:NoSuchAgent"], "has no attribute 'NoSuchAgent'"),
+        (["--agent", "json:JSONDecoder"], "is not a grid2op BaseAgent subclass"),
+        (["--agent", "no_such_module_here:Agent"], "no module named 'no_such_module_here'"),
+        (["--agent", "missing.py:Agent"], "no such file 'missing.py'"),
+        (["--episode-id", "0", "1", "--episodes", "3"], "gives 2 ids but --episodes is 3"),
+        (["--scheduler", "tcp://127.0.0.1:1", "--dask-local", "2"], "choose one of"),
+    ],
+)
+def test_bad_arguments_exit_2_with_what_to_do(
+    args: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from asyncrunner._cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["run", *args])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and "--help" in err  # one line, and where to read more
