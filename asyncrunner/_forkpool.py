@@ -110,6 +110,7 @@ class ForkPool:
         self._limiter = limiter
         self._idle: list[_Worker] = []
         self._busy: set[_Worker] = set()
+        self._forking = anyio.Lock()
 
     @property
     def pids(self) -> set[int]:
@@ -120,9 +121,12 @@ class ForkPool:
             if self._idle:
                 worker = self._idle.pop()
             else:
-                # Every worker's parent-side pipe end, so the new child can close them.
-                inherited = [w.conn.fileno() for w in (*self._idle, *self._busy)]
-                worker = _Worker(inherited)
+                # One fork at a time, each child closing every other worker's parent-side
+                # pipe end. Forking copies this process's page tables (tens of ms for a big
+                # parent): off the event loop's thread.
+                async with self._forking:
+                    inherited = [w.conn.fileno() for w in (*self._idle, *self._busy)]
+                    worker = await anyio.to_thread.run_sync(_Worker, inherited)
             self._busy.add(worker)
             try:
                 result: T = await anyio.to_thread.run_sync(
