@@ -37,7 +37,9 @@ with warnings.catch_warnings():
 
 GRID2OP_RUNNER = grid2op.Runner.runner.Runner
 EXPECTED: type = asyncrunner.compat.Runner if MODE == "compat" else GRID2OP_RUNNER
-CALLS = {"run": 0, "run_one_episode": 0}
+# Calls of compat.Runner's entry points, and runs that reached asyncrunner's worker processes
+# (``_ar_call``; the others played in-process with grid2op's code, see compat's documentation).
+CALLS = {"run": 0, "run_one_episode": 0, "_run_sequential": 0, "_run_parrallel": 0, "_ar_call": 0}
 
 
 def _point_helper_at(data_test: str) -> None:
@@ -74,8 +76,8 @@ _point_helper_at(os.environ["ASYNCRUNNER_G2O_DATA_TEST"])
 if MODE == "compat":
     grid2op.Runner.Runner = asyncrunner.compat.Runner
     grid2op.Runner.runner.Runner = asyncrunner.compat.Runner
-    _count("run")
-    _count("run_one_episode")
+    for _name in CALLS:
+        _count(_name)
 
 
 def pytest_report_header(config: pytest.Config) -> list[str]:
@@ -107,7 +109,8 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 
 def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
     if MODE == "compat":
+        counts = " ".join(f"{name}={n}" for name, n in CALLS.items() if name != "_ar_call")
         terminalreporter.write_line(
-            f"asyncrunner.compat.Runner calls: run={CALLS['run']} "
-            f"run_one_episode={CALLS['run_one_episode']}"
+            f"asyncrunner.compat.Runner calls: {counts}; runs played in asyncrunner's worker "
+            f"processes: {CALLS['_ar_call']}"
         )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import multiprocessing
 import os
 import shutil
@@ -276,9 +277,12 @@ async def test_run_called_where_an_event_loop_is_running() -> None:
     env = make_env()
     kwargs: dict[str, Any] = dict(nb_episode=2, max_iter=5, env_seeds=[1, 2], agent_seeds=[3, 4])
     expected = quiet(grid_runner(env, agentClass=SampleAgent).run, **kwargs)
+    asyncio.get_running_loop()  # raises if no loop runs here
     runner = compat_runner(env, agentClass=SampleAgent)
     results = runner.run(nb_process=2, **kwargs)  # sync code, called from a coroutine
     assert head(results) == head(expected)
+    one = runner.run_one_episode(indx=1, max_iter=5, env_seed=2, agent_seed=4)
+    assert head([one]) == head(expected[1:])
     env.close()
 
 
@@ -306,9 +310,23 @@ def test_l2rpn_2020_score_is_the_same_with_compat(
         env.close()
         return result
 
+    played: list[int] = []
+
+    class CountingRunner(compat.Runner):
+        def _ar_call(self, nb_process: int, nb_episode: int, kwargs: dict[str, Any]) -> Any:
+            played.append(nb_episode)
+            return super()._ar_call(nb_process, nb_episode, kwargs)
+
     expected = score("grid2op")
-    monkeypatch.setattr(statistics, "Runner", compat.Runner)
-    assert score("compat") == expected
+    assert played == []
+    monkeypatch.setattr(statistics, "Runner", CountingRunner)
+    ours = score("compat")
+    # The reference agents' statistics (do nothing, reconnecting lines) and the agent's own
+    # episodes all played in compat's workers: 2 scenarios each.
+    assert played == [2, 2, 2]
+    assert ours == expected
+    scores, n_played, _ = ours
+    assert len(scores) == len(n_played) == 2 and min(n_played) > 0
 
 
 def test_an_agent_that_cannot_be_pickled_plays_in_process() -> None:
