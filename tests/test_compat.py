@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import copy
 import multiprocessing
 import os
 import shutil
@@ -269,6 +270,51 @@ def test_run_one_episode_matches_grid2op() -> None:
         again = runner.run_one_episode(reset_options={"time serie id": 1}, episode_id=2, max_iter=3)
     assert len(again) == 5 and again[1] == "0002" and again[4] == 3  # max_ts: max_iter
     runner.close()
+
+
+def test_reset_options_and_init_states_match_grid2op() -> None:
+    # grid2op's test_reset_options_runner.py, on an env of the wheel: per-episode options, and
+    # run()'s own arguments overriding them (with grid2op's warnings).
+    env = make_env()
+    options = [
+        {"time serie id": 1, "max step": 4},
+        {"init state": {"set_line_status": [(1, -1)]}, "max step": 3},
+        {"time serie id": 0, "max step": 2},
+    ]
+    cases: list[tuple[dict[str, Any], str | None, list[int], list[list[int]]]] = [
+        # (run's arguments, the warning compat must give, max_ts, lines off at the start)
+        (dict(), None, [4, 3, 2], [[], [1], []]),
+        (dict(max_iter=5), "max step", [5, 5, 5], [[], [1], []]),
+        (
+            dict(max_iter=5, init_states={"set_line_status": [(2, -1)]}),
+            "init state",
+            [5, 5, 5],
+            [[2], [2], [2]],
+        ),
+    ]
+    theirs = grid_runner(env, agentClass=SampleAgent)
+    ours = compat_runner(env, agentClass=SampleAgent)
+    for case, warning, max_ts, lines_off in cases:
+        kwargs: dict[str, Any] = dict(
+            nb_episode=3, env_seeds=[1, 2, 3], agent_seeds=[4, 5, 6], add_detailed_output=True
+        )
+        expected = quiet(theirs.run, reset_options=copy.deepcopy(options), **kwargs, **case)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            results = ours.run(nb_process=2, reset_options=copy.deepcopy(options), **kwargs, **case)
+        messages = [str(w.message) for w in caught if issubclass(w.category, UserWarning)]
+        assert (warning is None) == (not any("`reset_options`" in m for m in messages))
+        assert warning is None or any(f"`{warning}`" in m for m in messages), messages
+        assert head(results) == head(expected)
+        assert [r[1] for r in results] == ["0001", "0001", "0000"]
+        assert [r[4] for r in results] == max_ts
+        for ours_r, theirs_r, off in zip(results, expected, lines_off, strict=True):
+            status = ours_r[5].observations[0].line_status
+            assert np.flatnonzero(~status).tolist() == off
+            assert same_array(status, theirs_r[5].observations[0].line_status)
+            assert same_array(ours_r[5].rewards, theirs_r[5].rewards)
+    ours.close()
+    env.close()
 
 
 @pytest.mark.anyio
