@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import copy
 import multiprocessing
 import os
 import shutil
@@ -270,15 +272,63 @@ def test_run_one_episode_matches_grid2op() -> None:
     runner.close()
 
 
+def test_reset_options_and_init_states_match_grid2op() -> None:
+    # grid2op's test_reset_options_runner.py, on an env of the wheel: per-episode options, and
+    # run()'s own arguments overriding them (with grid2op's warnings).
+    env = make_env()
+    options = [
+        {"time serie id": 1, "max step": 4},
+        {"init state": {"set_line_status": [(1, -1)]}, "max step": 3},
+        {"time serie id": 0, "max step": 2},
+    ]
+    cases: list[tuple[dict[str, Any], str | None, list[int], list[list[int]]]] = [
+        # (run's arguments, the warning compat must give, max_ts, lines off at the start)
+        (dict(), None, [4, 3, 2], [[], [1], []]),
+        (dict(max_iter=5), "max step", [5, 5, 5], [[], [1], []]),
+        (
+            dict(max_iter=5, init_states={"set_line_status": [(2, -1)]}),
+            "init state",
+            [5, 5, 5],
+            [[2], [2], [2]],
+        ),
+    ]
+    theirs = grid_runner(env, agentClass=SampleAgent)
+    ours = compat_runner(env, agentClass=SampleAgent)
+    for case, warning, max_ts, lines_off in cases:
+        kwargs: dict[str, Any] = dict(
+            nb_episode=3, env_seeds=[1, 2, 3], agent_seeds=[4, 5, 6], add_detailed_output=True
+        )
+        expected = quiet(theirs.run, reset_options=copy.deepcopy(options), **kwargs, **case)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            results = ours.run(nb_process=2, reset_options=copy.deepcopy(options), **kwargs, **case)
+        messages = [str(w.message) for w in caught if issubclass(w.category, UserWarning)]
+        assert (warning is None) == (not any("`reset_options`" in m for m in messages))
+        assert warning is None or any(f"`{warning}`" in m for m in messages), messages
+        assert head(results) == head(expected)
+        assert [r[1] for r in results] == ["0001", "0001", "0000"]
+        assert [r[4] for r in results] == max_ts
+        for ours_r, theirs_r, off in zip(results, expected, lines_off, strict=True):
+            status = ours_r[5].observations[0].line_status
+            assert np.flatnonzero(~status).tolist() == off
+            assert same_array(status, theirs_r[5].observations[0].line_status)
+            assert same_array(ours_r[5].rewards, theirs_r[5].rewards)
+    ours.close()
+    env.close()
+
+
 @pytest.mark.anyio
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])
 async def test_run_called_where_an_event_loop_is_running() -> None:
     env = make_env()
     kwargs: dict[str, Any] = dict(nb_episode=2, max_iter=5, env_seeds=[1, 2], agent_seeds=[3, 4])
     expected = quiet(grid_runner(env, agentClass=SampleAgent).run, **kwargs)
+    asyncio.get_running_loop()  # raises if no loop runs here
     runner = compat_runner(env, agentClass=SampleAgent)
     results = runner.run(nb_process=2, **kwargs)  # sync code, called from a coroutine
     assert head(results) == head(expected)
+    one = runner.run_one_episode(indx=1, max_iter=5, env_seed=2, agent_seed=4)
+    assert head([one]) == head(expected[1:])
     env.close()
 
 
@@ -306,9 +356,23 @@ def test_l2rpn_2020_score_is_the_same_with_compat(
         env.close()
         return result
 
+    played: list[int] = []
+
+    class CountingRunner(compat.Runner):
+        def _ar_call(self, nb_process: int, nb_episode: int, kwargs: dict[str, Any]) -> Any:
+            played.append(nb_episode)
+            return super()._ar_call(nb_process, nb_episode, kwargs)
+
     expected = score("grid2op")
-    monkeypatch.setattr(statistics, "Runner", compat.Runner)
-    assert score("compat") == expected
+    assert played == []
+    monkeypatch.setattr(statistics, "Runner", CountingRunner)
+    ours = score("compat")
+    # The reference agents' statistics (do nothing, reconnecting lines) and the agent's own
+    # episodes all played in compat's workers: 2 scenarios each.
+    assert played == [2, 2, 2]
+    assert ours == expected
+    scores, n_played, _ = ours
+    assert len(scores) == len(n_played) == 2 and min(n_played) > 0
 
 
 def test_an_agent_that_cannot_be_pickled_plays_in_process() -> None:

@@ -93,13 +93,18 @@ async def test_one_run_covers_every_mix(
 
 
 def test_compat_runner_on_each_mix(multimix: Any, expected: dict[str, tuple[Any, ...]]) -> None:
-    # grid2op's documented way: one Runner per mix. The second mix's backend class is the one
-    # grid2op built for the grid: it still reaches the workers.
-    mix = multimix["x2.5"]
-    runner = quiet(compat.Runner, **mix.get_params_for_runner(), agentClass=SampleAgent)
-    (result,) = runner.run(nb_episode=1, **KWARGS)
-    runner.close()
-    assert (str(result[0]), *result[1:5]) == expected["x2.5"]
+    # grid2op's documented way: one Runner per mix. A mix after the first
+    # has a backend class grid2op built for the grid: it still reaches the workers.
+    played = []
+    for name, mix in multimix.items():
+        runner = quiet(compat.Runner, **mix.get_params_for_runner(), agentClass=SampleAgent)
+        (result,) = runner.run(nb_episode=1, nb_process=2, **KWARGS)
+        runner.close()
+        played.append((name, (str(result[0]), *result[1:5])))
+    # Same chronic, reward and steps as grid2op's Runner on that mix, and the mixes differ.
+    assert played == [(m, expected[m]) for m in MIXES]
+    assert expected["x1"][0] != expected["x2.5"][0]
+    assert expected["x1"][2] != expected["x2.5"][2]
 
 
 @pytest.mark.parametrize(
