@@ -64,8 +64,9 @@ class AsyncRunner(AsyncResource):
     ``agent``: a ``BaseAgent`` subclass (built in the worker with the env's action space), an
     instance (copied for each episode, as grid2op does) or a picklable ``(action_space) -> agent``.
     ``workers``: episodes run at once (default: CPU count). ``executor``: ``None`` for local
-    processes (forked from this one on Linux, ``anyio.to_process`` elsewhere), a ``concurrent.futures.Executor``, or a Dask cluster
-    (a ``distributed.Client``, a scheduler address or an ``asyncrunner.DaskExecutor``).
+    processes (forked from this one on Linux, ``anyio.to_process`` elsewhere), a
+    ``concurrent.futures.Executor``, or a Dask cluster (a ``distributed.Client``, a scheduler
+    address or an ``asyncrunner.DaskExecutor``).
     The pool lives as long as the runner: use ``async with`` or ``await runner.aclose()``.
     """
 

@@ -1,7 +1,7 @@
 """What runs inside a worker process: the env cache, the per-episode reset contract, the step loop.
 
-Functions here are called through ``anyio.to_process.run_sync`` (or an executor) with picklable
-arguments. A worker keeps its env across episodes (``_ENVS``) and restores, before each episode,
+Functions here are called in a worker (``_forkpool``, ``anyio.to_process`` or an executor) with
+picklable arguments. A worker keeps its env across episodes (``_ENVS``) and restores, before each episode,
 everything a fresh env built by grid2op's Runner would have, so results match grid2op's Runner
 bit for bit. Steps go back in batches over the run's channel (``_channel``), not as return values.
 """

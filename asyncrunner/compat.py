@@ -38,8 +38,8 @@ Where it differs from grid2op's Runner:
   process, one episode at a time, with grid2op's own code (with a warning).
 - A failed episode raises ``asyncrunner.EpisodeError`` (with the worker's traceback) rather than
   the agent's or env's own exception.
-- ``mp_context`` is not used: workers are fresh interpreters (asyncrunner's workers), whatever
-  the platform.
+- ``mp_context`` is not used: workers are asyncrunner's (forked on Linux, fresh interpreters
+  elsewhere), whatever the context asked.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Play episodes from a plain script: ``python examples/run_script.py [--max-iter N]``.
 
-Worker processes re-run this file as ``__mp_main__``, so everything that runs episodes sits under
-``if __name__ == "__main__":``.
+Where worker processes are fresh interpreters (not Linux's default fork) they re-run this file as
+``__mp_main__``, so everything that runs episodes sits under ``if __name__ == "__main__":``.
 """
 
 from __future__ import annotations
