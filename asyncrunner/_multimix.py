@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
-from typing import Any
+from typing import Any, TypeGuard
 
 from ._events import Event
 from ._plan import EpisodeRequest, _check_id, plan_episodes
@@ -45,7 +45,7 @@ def runner_params(env: Any) -> dict[str, Any]:
     return params
 
 
-def _is_pair(entry: Any) -> bool:
+def _is_pair(entry: object) -> TypeGuard[tuple[str, int | str]]:
     return isinstance(entry, tuple) and len(entry) == 2
 
 
@@ -53,7 +53,7 @@ def plan_mixes(
     nb_episode: int,
     names: Mapping[str, list[str] | None],
     *,
-    episode_id: Sequence[Any] | None = None,
+    episode_id: Sequence[int | str | tuple[str, int | str]] | None = None,
     **kwargs: Any,
 ) -> list[EpisodeRequest]:
     """Requests for a multimix run, mix by mix.
@@ -64,15 +64,16 @@ def plan_mixes(
     requests, the first mix's first.
     """
     entries = None if episode_id is None else list(episode_id)
-    if entries and any(_is_pair(e) for e in entries):
-        if not all(_is_pair(e) for e in entries):
+    pairs = [] if entries is None else [e for e in entries if _is_pair(e)]
+    if entries and pairs:
+        if len(pairs) != len(entries):
             raise TypeError(
                 "on a MultiMixEnvironment, `episode_id` entries must be all (mix, episode id) "
                 "pairs, or all episode ids (played on every mix)"
             )
-        base = plan_episodes(nb_episode, names=None, episode_id=[e[1] for e in entries], **kwargs)
+        base = plan_episodes(nb_episode, names=None, episode_id=[e[1] for e in pairs], **kwargs)
         requests = []
-        for request, (mix, ep_id) in zip(base, entries, strict=True):
+        for request, (mix, ep_id) in zip(base, pairs, strict=True):
             if mix not in names:
                 raise ValueError(f"unknown mix {mix!r}: this env's mixes are {list(names)}")
             requests.append(replace(request, episode_id=_check_id(ep_id, names[mix]), mix=mix))

@@ -86,7 +86,8 @@ def plan_episodes(
     max_iter: int | None = None,
     env_seeds: Sequence[int] | None = None,
     agent_seeds: Sequence[int] | None = None,
-    episode_id: Sequence[int | str] | None = None,
+    # (mix, id) pairs are for a MultiMixEnvironment (plan_mixes): rejected here by _check_id
+    episode_id: Sequence[int | str | tuple[str, int | str]] | None = None,
     init_states: Any = None,
     reset_options: Any = None,
 ) -> list[EpisodeRequest]:

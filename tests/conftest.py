@@ -11,7 +11,7 @@ with warnings.catch_warnings():
     import grid2op
 
 try:
-    from lightsim2grid import LightSimBackend
+    from lightsim2grid import LightSimBackend as LightSimBackend  # re-exported to the tests
 except ImportError:  # pragma: no cover - lightsim is in the test extra
     LightSimBackend = None
 

@@ -28,14 +28,14 @@ from .conftest import LightSimBackend, make_env
 GRID2OP_DATA = Path(grid2op.__file__).parent / "data"
 
 
-class SampleAgent(BaseAgent):  # type: ignore[misc]
+class SampleAgent(BaseAgent):  # type: ignore[misc]  # grid2op is untyped
     """A random agent that costs nothing to build: samples its (seeded) action space."""
 
     def act(self, observation: Any, reward: float, done: bool = False) -> Any:
         return self.action_space.sample()
 
 
-class SimulatingAgent(BaseAgent):  # type: ignore[misc]
+class SimulatingAgent(BaseAgent):  # type: ignore[misc]  # grid2op is untyped
     """Calls ``obs.simulate`` once per step (counted as a high-resolution simulation)."""
 
     def act(self, observation: Any, reward: float, done: bool = False) -> Any:
@@ -43,7 +43,7 @@ class SimulatingAgent(BaseAgent):  # type: ignore[misc]
         return self.action_space({})
 
 
-class TagReward(BaseReward):  # type: ignore[misc]
+class TagReward(BaseReward):  # type: ignore[misc]  # grid2op is untyped
     """Rewards each step with the ``tag`` the backend was built with (see TaggedBackend)."""
 
     def __call__(self, action: Any, env: Any, *args: Any) -> float:
@@ -52,7 +52,7 @@ class TagReward(BaseReward):  # type: ignore[misc]
 
 if LightSimBackend is not None:
 
-    class TaggedBackend(LightSimBackend):  # type: ignore[misc,valid-type]
+    class TaggedBackend(LightSimBackend):  # type: ignore[misc]  # lightsim2grid is untyped
         """LightSim with one more constructor argument, kept in ``_my_kwargs`` (backend_kwargs)."""
 
         def __init__(self, tag: float = 0.0, **kwargs: Any) -> None:

@@ -52,7 +52,7 @@ def cluster() -> Iterator[Any]:
         yield c
 
 
-class Slow(BaseAgent):  # type: ignore[misc]
+class Slow(BaseAgent):  # type: ignore[misc]  # grid2op is untyped
     """Does nothing, slowly: episodes long enough to kill or cancel mid-way."""
 
     delay = 0.01

@@ -65,15 +65,17 @@ COMPACT_ARRAYS = [
 
 # case14 with a seeded RandomAgent: "0000" ends in a game over at step 3, "0001" plays all of
 # max_iter=4 steps, "0002" ends in a game over at its first step.
-CASE14 = dict(
+CASE14: dict[str, Any] = dict(
     nb_episode=3, episode_id=[0, 1, 2], env_seeds=[1, 2, 5], agent_seeds=[3, 4, 6], max_iter=4
 )
 # icaps 2021 (it has an opponent) with _SometimesRandom: "Scenario_august_21_wk1" ends in a
 # game over at step 2; "Scenario_april_17_wk1" plays 30 steps with attacks and an illegal action.
-ICAPS = dict(nb_episode=2, episode_id=[1, 0], env_seeds=[1, 2], agent_seeds=[11, 12], max_iter=30)
+ICAPS: dict[str, Any] = dict(
+    nb_episode=2, episode_id=[1, 0], env_seeds=[1, 2], agent_seeds=[11, 12], max_iter=30
+)
 
 
-class _SometimesRandom(BaseAgent):
+class _SometimesRandom(BaseAgent):  # type: ignore[misc]  # grid2op is untyped
     """Samples a random action one step in four (cheap on a big grid, unlike RandomAgent)."""
 
     def act(self, observation: Any, reward: float, done: bool = False) -> Any:
@@ -239,7 +241,8 @@ async def test_case14_saves_what_grid2op_saves(case14: dict[str, Any], tmp_path:
         )
     assert [r.as_tuple() for r in results] == [tuple(res[:5]) for res in case14["res"]]
     assert [r.nb_time_step for r in results] == [3, 4, 1]  # two game overs, one full episode
-    assert [r.path for r in results] == [str(tmp_path / "full" / r.name) for r in results]
+    for r in results:
+        assert r.name is not None and r.path == str(tmp_path / "full" / r.name)
     _assert_same_episode_data(case14["path"], tmp_path / "full", case14["res"])
     _assert_same_compact(case14["compact"], tmp_path / "compact")
     assert _hidden(tmp_path) == []
@@ -267,7 +270,8 @@ async def _check_replays(events: list[Event], tmp_path: Path) -> None:
         EpisodeFailed(first.run_id, index, 1, "BrokenWorkerProcess", "died", "", 1, retrying=True)
     )
     for event in own:
-        await writer.send(dataclasses.replace(event, attempt=2))  # type: ignore[type-var]
+        assert isinstance(event, (EpisodeStarted, StepBatch, EpisodeFinished, EpisodeFailed))
+        await writer.send(dataclasses.replace(event, attempt=2))
     for event in others:
         if not isinstance(event, RunStarted):
             await writer.send(event)
@@ -343,7 +347,7 @@ async def test_same_chronic_twice_gets_two_folders(case14: dict[str, Any], tmp_p
             sinks=[CompactEpisodeWriter(tmp_path)], **kwargs,
         )  # fmt: skip
     assert _names(tmp_path) == ["0000", "0000_1", "0000_2"]
-    assert sorted(r.path for r in first) == [str(tmp_path / "0000"), str(tmp_path / "0000_1")]
+    assert sorted(str(r.path) for r in first) == [str(tmp_path / "0000"), str(tmp_path / "0000_1")]
     assert again[0].path == str(tmp_path / "0000_2")
     for name, meta in before.items():  # the earlier folders are untouched
         assert _json(tmp_path / name / "episode_meta.json") == meta

@@ -47,7 +47,7 @@ async def wait_no_children(before: set[int], seconds: float = 10) -> None:
             await anyio.sleep(0.05)
 
 
-class FailsAtStep5(BaseAgent):  # type: ignore[misc]
+class FailsAtStep5(BaseAgent):  # type: ignore[misc]  # grid2op is untyped
     """Raises at step 5 of the episode whose agent seed is 12."""
 
     def __init__(self, action_space: Any) -> None:
@@ -66,7 +66,7 @@ class FailsAtStep5(BaseAgent):  # type: ignore[misc]
         return self.action_space({})
 
 
-class Hangs(BaseAgent):  # type: ignore[misc]
+class Hangs(BaseAgent):  # type: ignore[misc]  # grid2op is untyped
     """Never returns from act (for the episode whose agent seed is 12)."""
 
     def __init__(self, action_space: Any) -> None:

@@ -14,7 +14,7 @@ from grid2op.Agent import BaseAgent, DoNothingAgent, RandomAgent
 from grid2op.Reward import AlarmReward
 from grid2op.Runner import Runner
 
-from asyncrunner import AsyncRunner, EpisodeStarted
+from asyncrunner import AsyncRunner, EpisodeFinished, EpisodeStarted, StepBatch
 from asyncrunner.sinks import CallbackSink
 
 from .conftest import make_env
@@ -38,7 +38,7 @@ def grid2op_results(env: Any, agent: type[BaseAgent], **kwargs: Any) -> list[tup
     return _EXPECTED[key]
 
 
-class AlarmAgent(BaseAgent):  # type: ignore[misc]
+class AlarmAgent(BaseAgent):  # type: ignore[misc]  # grid2op is untyped
     """Raises an alarm at every step: leaves AlarmReward's `is_alarm_used` set after an episode."""
 
     def act(self, observation: Any, reward: float, done: bool = False) -> Any:
@@ -151,11 +151,12 @@ async def test_stream_gives_events_in_episode_order(env: Any) -> None:
     for index in (0, 1):
         mine = [e for e in seen if getattr(e, "index", None) == index]
         assert type(mine[0]).__name__ == "EpisodeStarted"
-        assert type(mine[-1]).__name__ == "EpisodeFinished"
-        batches = [e for e in mine if type(e).__name__ == "StepBatch"]
+        last = mine[-1]
+        assert type(last) is EpisodeFinished
+        batches = [e for e in mine if type(e) is StepBatch]
         assert len(batches) >= 2  # steps arrive in several batches, not one object per step
         steps = np.concatenate([b.rewards for b in batches])
-        assert len(steps) == 70 == mine[-1].nb_time_step
+        assert len(steps) == 70 == last.nb_time_step
         assert [b.first_step for b in batches] == list(
             np.cumsum([1] + [len(b) for b in batches[:-1]])
         )
@@ -197,7 +198,7 @@ async def test_bad_run_arguments_fail_before_any_work(
     await runner.aclose()
 
 
-class _Unpicklable(DoNothingAgent):  # type: ignore[misc]
+class _Unpicklable(DoNothingAgent):  # type: ignore[misc]  # grid2op is untyped
     def __init__(self, action_space: Any) -> None:
         super().__init__(action_space)
         self.lock = multiprocessing.Lock().__enter__  # bound method of a lock: not picklable
