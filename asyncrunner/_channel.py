@@ -13,6 +13,10 @@ same, and comes before any unpickling. A worker may *claim* an episode attempt b
 (``claim``): the first connection to claim it owns it, later ones (a task that Dask re-ran after
 its worker died) are refused, and ``Channel.drop`` closes the owner's connection, which stops the
 episode at its next send.
+
+An episode whose agent runs in the orchestrator (``CentralAgent``) sends an ``AgentCall`` (its
+observation) and waits for one reply frame (the action) on the same connection: the connection
+serves one episode at a time, so replies need no matching.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ import shutil
 import socket
 import struct
 import tempfile
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,7 +39,7 @@ from anyio.abc import SocketAttribute, SocketStream
 from anyio.streams.buffered import BufferedByteReceiveStream
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-__all__ = ["Channel", "ChannelClosed", "claim", "connect", "open_channel"]
+__all__ = ["AgentCall", "Channel", "ChannelClosed", "call", "claim", "connect", "open_channel"]
 
 _HEADER = struct.Struct("!Q")
 _HELLO_TIMEOUT = 10.0
@@ -54,6 +58,25 @@ class _Claim:
     """Worker → runner: "may I play this attempt?"; answered with one byte (1 yes, 0 no)."""
 
     key: str
+
+
+@dataclass(frozen=True)
+class AgentCall:
+    """Worker → runner: an episode's observation for the agent in the orchestrator.
+
+    Answered with one frame: the pickled ``("ok", action_vector)`` or
+    ``("error", type_name, message, traceback)``. ``agent_seed`` and ``first`` let the runner
+    build, seed and reset a per-episode agent as the worker would have.
+    """
+
+    run_id: str
+    index: int
+    attempt: int
+    observation: Any  # numpy vector, obs.to_vect()
+    reward: float
+    done: bool
+    agent_seed: int | None
+    first: bool
 
 
 def _tcp(address: str) -> tuple[str, int] | None:
@@ -127,6 +150,37 @@ def claim(address: str, token: str, key: str) -> bool:
     raise ChannelClosed(f"the runner's channel closed: {error or 'EOF'}")
 
 
+def _receive_frame(sock: socket.socket) -> bytes:
+    def exactly(n: int) -> bytes:
+        chunks, left = [], n
+        while left:
+            chunk = sock.recv(min(left, 1 << 20))
+            if not chunk:
+                raise OSError("EOF")
+            chunks.append(chunk)
+            left -= len(chunk)
+        return b"".join(chunks)
+
+    (size,) = _HEADER.unpack(exactly(_HEADER.size))
+    return exactly(size)
+
+
+def call(address: str, token: str, message: Any) -> Any:
+    """Send ``message`` to the runner and wait for its one-frame reply (unpickled)."""
+    global _connection
+    connect(address, token)
+    assert _connection is not None
+    sock = _connection[1]
+    try:
+        sock.sendall(_frame(pickle.dumps(message, protocol=5)))
+        payload = _receive_frame(sock)
+    except OSError as exc:
+        _connection = None
+        sock.close()
+        raise ChannelClosed(f"the runner's channel closed: {exc}") from exc
+    return pickle.loads(payload)
+
+
 # --- event loop side -------------------------------------------------------------------------
 
 
@@ -142,6 +196,8 @@ class Channel:
     rejected: int = 0
     pids: set[int] = field(default_factory=set)
     claims: dict[str, anyio.CancelScope] = field(default_factory=dict)
+    # Answers AgentCalls (set while a run's agent lives in the orchestrator).
+    agent: Callable[[AgentCall], Awaitable[bytes]] | None = None
 
     def drop(self, key: str) -> None:
         """Close the connection that claimed ``key``: its worker stops at its next send."""
@@ -187,6 +243,18 @@ class Channel:
                                 self.claims[event.key] = scope
                             try:
                                 await stream.send(b"\x01" if mine else b"\x00")
+                            except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+                                return
+                            continue
+                        if isinstance(event, AgentCall):
+                            if self.agent is None:
+                                reply = pickle.dumps(
+                                    ("error", "RuntimeError", "this run has no central agent", "")
+                                )
+                            else:
+                                reply = await self.agent(event)
+                            try:
+                                await stream.send(_frame(reply))
                             except (anyio.BrokenResourceError, anyio.ClosedResourceError):
                                 return
                             continue

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import anyio
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
+from ._central import serving
 from ._channel import Channel, open_channel
 from ._events import (
     EpisodeFailed,
@@ -82,6 +83,7 @@ class Run:
         self._last_step: dict[int, int] = {}
         self._watchdogs: dict[tuple[int, int], anyio.CancelScope] = {}
         self._remaining = len(self.requests)
+        self._agent: Any = None  # the CentralAgent's server during execute, if any
 
     async def execute(
         self, out: MemoryObjectSendStream[Event] | None = None
@@ -90,7 +92,10 @@ class Run:
         spaces = await self.runner._spaces() if self.detail else {}
         sink_sends: list[MemoryObjectSendStream[Event]] = []
         dask = self.runner._dask
-        async with open_channel(listen=None if dask is None else dask.listen) as channel:
+        async with (
+            open_channel(listen=None if dask is None else dask.listen) as channel,
+            serving(self.runner._central, channel, self._env_of) as self._agent,
+        ):
             self.runner._watch(channel)
             try:
                 async with anyio.create_task_group() as sink_group:
@@ -114,6 +119,9 @@ class Run:
         if self.failure is not None and self.on_error == "raise":
             raise EpisodeError(self.failure, [r for r in results if r.error is None])
         return results
+
+    def _env_of(self, index: int) -> Any:
+        return self.runner._env_for(self._by_index[index].mix)
 
     def _ordered(self) -> list[EpisodeResult]:
         return [self.results[i] for i in sorted(self.results)]
@@ -195,6 +203,8 @@ class Run:
             return
         await emit(event)
         if key in self._closed:
+            if self._agent is not None:
+                self._agent.forget(key)
             self._terminal.setdefault(key, anyio.Event()).set()
 
     async def _dispatch(

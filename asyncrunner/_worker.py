@@ -4,6 +4,8 @@ Functions here are called through ``anyio.to_process.run_sync`` (or an executor)
 arguments. A worker keeps its env across episodes (``_ENVS``) and restores, before each episode,
 everything a fresh env built by grid2op's Runner would have, so results match grid2op's Runner
 bit for bit. Steps go back in batches over the run's channel (``_channel``), not as return values.
+When the agent lives in the orchestrator (``CentralAgent``), ``_RemoteAgent`` stands in for it:
+it sends each observation over the same channel and plays the action that comes back.
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ class Recipe:
     """
 
     params: dict[str, Any]
-    agent_kind: str  # "class" | "instance" | "factory"
+    agent_kind: str  # "class" | "instance" | "factory" | "central" (agent: None)
     agent: Any
     classes: tuple[type, ...] = ()
 
@@ -156,6 +158,66 @@ class _Cached:
         if kind == "factory":
             return agent(self.env.action_space)
         return copy.copy(agent)
+
+
+class _CentralAgentFailed(Exception):
+    """The orchestrator's agent raised; carries its error's type name and traceback."""
+
+    def __init__(self, type_name: str, message: str, tb: str) -> None:
+        super().__init__(message)
+        self._ar_type = type_name
+        self._ar_traceback = tb
+
+
+class _RemoteAgent:
+    """Stands for the agent in the orchestrator: observation out, action back, per step.
+
+    The orchestrator seeds and resets its own agent (``AgentCall.first``).
+    """
+
+    # Actions decoded, by vector: ``from_vect`` costs more than a step; agents often reuse a few.
+    _CACHE_SIZE = 256
+
+    def __init__(self, job: EpisodeJob, env: Any) -> None:
+        from grid2op.dtypes import dt_float
+
+        self.job = job
+        self.action_space = env.action_space
+        self.row = np.empty(env.observation_space.n, dtype=dt_float)
+        self.first = True
+        self.cache: dict[bytes, Any] = {}
+
+    def seed(self, seed: int) -> None:
+        pass
+
+    def reset(self, obs: Any) -> None:
+        pass
+
+    def act(self, obs: Any, reward: float, done: bool = False) -> Any:
+        job = self.job
+        _fill(self.row, obs)
+        call = _channel.AgentCall(
+            run_id=job.run_id,
+            index=job.index,
+            attempt=job.attempt,
+            observation=self.row,
+            reward=float(reward),
+            done=bool(done),
+            agent_seed=job.agent_seed,
+            first=self.first,
+        )
+        reply = _channel.call(job.address, job.token, call)
+        self.first = False
+        if reply[0] != "ok":
+            raise _CentralAgentFailed(*reply[1:])
+        vector = reply[1]
+        key = vector.tobytes()
+        action = self.cache.get(key)
+        if action is None:
+            action = self.action_space.from_vect(vector, check_legit=False)
+            if len(self.cache) < self._CACHE_SIZE:
+                self.cache[key] = action
+        return action.copy()  # the env may keep or change what it is given
 
 
 _ENVS: dict[str, _Cached] = {}
@@ -325,9 +387,9 @@ def run_episode(job: EpisodeJob) -> str:
             run_id=job.run_id,
             index=job.index,
             attempt=job.attempt,
-            error_type=type(exc).__name__,
+            error_type=getattr(exc, "_ar_type", type(exc).__name__),
             message=str(exc),
-            traceback=traceback.format_exc(),
+            traceback=getattr(exc, "_ar_traceback", None) or traceback.format_exc(),
             step=getattr(exc, "_ar_step", step),
         )
         send(failure)
@@ -341,7 +403,7 @@ def _play(job: EpisodeJob, cached: _Cached, send: Any) -> int:
     cached.restore()
     env = cached.env
     names = cached.other_reward_names
-    agent = cached.new_agent()
+    agent = _RemoteAgent(job, env) if cached.recipe.agent_kind == "central" else cached.new_agent()
     obs = env.reset(seed=job.env_seed, options=_reset_options(job, cached))
     env._highres_sim_counter._HighResSimCounter__nb_highres_called = 0
     if job.env_seed is None:
