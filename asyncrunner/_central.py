@@ -60,6 +60,11 @@ class CentralAgent:
     are the worker's, but ``simulate`` and forecasts are not available; ``vectors=True`` passes
     the vectors themselves (``obs.to_vect()``; a 2-D array for ``act_batch``), which skips the
     rebuild. ``batch_sizes`` counts the batches made, by size.
+
+    ``envs_per_worker``: episodes each worker process plays at once (one env and one thread
+    each): while one waits for its action, another steps, so batches fill and an I/O-bound
+    agent's waits overlap with fewer processes. A worker takes that many episodes together
+    and is free again when the last one ends.
     """
 
     def __init__(
@@ -69,9 +74,16 @@ class CentralAgent:
         max_batch: int = 32,
         max_wait: float = 0.005,
         vectors: bool = False,
+        envs_per_worker: int = 1,
     ) -> None:
         if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
             raise ValueError(f"`max_batch` must be an integer >= 1, got {max_batch!r}")
+        if (
+            isinstance(envs_per_worker, bool)
+            or not isinstance(envs_per_worker, int)
+            or envs_per_worker < 1
+        ):
+            raise ValueError(f"`envs_per_worker` must be an integer >= 1, got {envs_per_worker!r}")
         if not max_wait >= 0:
             raise ValueError(f"`max_wait` must be >= 0 seconds, got {max_wait!r}")
         if isinstance(agent, type) or not (hasattr(agent, "act") or hasattr(agent, "act_batch")):
@@ -87,6 +99,7 @@ class CentralAgent:
         self.max_batch = max_batch
         self.max_wait = float(max_wait)
         self.vectors = vectors
+        self.envs_per_worker = envs_per_worker
         self.batch_sizes: collections.Counter[int] = collections.Counter()
 
     def __repr__(self) -> str:

@@ -29,6 +29,7 @@ import shutil
 import socket
 import struct
 import tempfile
+import threading
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -88,16 +89,23 @@ def _tcp(address: str) -> tuple[str, int] | None:
 
 # --- worker side -----------------------------------------------------------------------------
 
-_connection: tuple[str, socket.socket] | None = None
+
+class _Local(threading.local):
+    # One connection per thread: a worker playing several episodes at once (one thread each)
+    # has one connection per episode, so each gets its own replies.
+    connection: tuple[str, socket.socket] | None = None
+
+
+_local = _Local()
 
 
 def connect(address: str, token: str) -> Callable[[Any], None]:
     """Return a function sending one event over the run's channel (connecting once per run)."""
-    global _connection
+    _connection = _local.connection
     if _connection is None or _connection[0] != address:
         if _connection is not None:
             _connection[1].close()
-            _connection = None
+            _local.connection = None
         tcp = _tcp(address)
         if tcp is None:
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -110,15 +118,14 @@ def connect(address: str, token: str) -> Callable[[Any], None]:
         except OSError as exc:
             sock.close()
             raise ChannelClosed(f"cannot reach the runner at {address}: {exc}") from exc
-        _connection = (address, sock)
+        _connection = _local.connection = (address, sock)
     sock = _connection[1]
 
     def send(event: Any) -> None:
-        global _connection
         try:
             sock.sendall(_frame(pickle.dumps(event, protocol=5)))
         except OSError as exc:
-            _connection = None
+            _local.connection = None
             sock.close()
             raise ChannelClosed(f"the runner's channel closed: {exc}") from exc
 
@@ -127,15 +134,14 @@ def connect(address: str, token: str) -> Callable[[Any], None]:
 
 def claim(address: str, token: str, key: str) -> bool:
     """Ask the runner for attempt ``key``: True for the first connection that asks, else False."""
-    global _connection
     error: Exception | None = None
     for _ in range(2):
         # A connection kept from an earlier run on the same address (a fixed TCP port) is
         # closed at the other end: reconnect once.
-        reused = _connection is not None and _connection[0] == address
+        reused = _local.connection is not None and _local.connection[0] == address
         connect(address, token)
-        assert _connection is not None
-        sock = _connection[1]
+        assert _local.connection is not None
+        sock = _local.connection[1]
         try:
             sock.sendall(_frame(pickle.dumps(_Claim(key), protocol=5)))
             answer = sock.recv(1)
@@ -143,7 +149,7 @@ def claim(address: str, token: str, key: str) -> bool:
             answer, error = b"", exc
         if answer:
             return answer == b"\x01"
-        _connection = None
+        _local.connection = None
         sock.close()
         if not reused:
             break
@@ -167,15 +173,14 @@ def _receive_frame(sock: socket.socket) -> bytes:
 
 def call(address: str, token: str, message: Any) -> Any:
     """Send ``message`` to the runner and wait for its one-frame reply (unpickled)."""
-    global _connection
     connect(address, token)
-    assert _connection is not None
-    sock = _connection[1]
+    assert _local.connection is not None
+    sock = _local.connection[1]
     try:
         sock.sendall(_frame(pickle.dumps(message, protocol=5)))
         payload = _receive_frame(sock)
     except OSError as exc:
-        _connection = None
+        _local.connection = None
         sock.close()
         raise ChannelClosed(f"the runner's channel closed: {exc}") from exc
     return pickle.loads(payload)

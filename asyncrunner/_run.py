@@ -32,7 +32,7 @@ from ._events import (
 from ._exceptions import EpisodeError, SinkError
 from ._plan import EpisodeRequest
 from ._results import EpisodeResult
-from ._worker import EpisodeJob, run_episode
+from ._worker import EpisodeJob, run_episode, run_episodes
 from .sinks._base import Sink
 
 if TYPE_CHECKING:
@@ -210,30 +210,96 @@ class Run:
     async def _dispatch(
         self, requests: MemoryObjectReceiveStream[EpisodeRequest], channel: Channel
     ) -> None:
+        per_worker = 1 if self.runner._central is None else self.runner._central.envs_per_worker
         async with requests:
             async for request in requests:
-                await self._play(request, channel)
+                group = [request]
+                while len(group) < per_worker:
+                    try:
+                        group.append(requests.receive_nowait())
+                    except (anyio.WouldBlock, anyio.EndOfStream):
+                        break
+                if len(group) == 1:
+                    await self._play(request, channel)
+                else:
+                    await self._play_group(group, channel)
+
+    def _job(self, request: EpisodeRequest, attempt: int, channel: Channel) -> EpisodeJob:
+        recipe_key, recipe = self.runner._recipe_for(request.mix)
+        return EpisodeJob(
+            address=channel.address,
+            token=channel.token,
+            run_id=self.run_id,
+            recipe_key=recipe_key,
+            recipe=recipe,
+            index=request.index,
+            attempt=attempt,
+            episode_id=request.episode_id,
+            env_seed=request.env_seed,
+            agent_seed=request.agent_seed,
+            max_iter=request.max_iter,
+            init_state=request.init_state,
+            reset_options=request.reset_options,
+            detail=self.detail,
+            mix=request.mix,
+        )
+
+    async def _play_group(self, group: list[EpisodeRequest], channel: Channel) -> None:
+        """``_play`` for several episodes played at once by one worker (``envs_per_worker``).
+
+        A timeout or a dead worker ends every episode of the group still playing; those the
+        worker's death ended are retried together.
+        """
+        attempts = dict.fromkeys((r.index for r in group), 1)
+        while group:
+            keys = [(r.index, attempts[r.index]) for r in group]
+            terminals = [self._terminal.setdefault(key, anyio.Event()) for key in keys]
+            jobs = [self._job(r, attempts[r.index], channel) for r in group]
+            try:
+                with anyio.CancelScope() as scope:
+                    for key in keys:
+                        self._watchdogs[key] = scope
+                    await self.runner._call(run_episodes, jobs)
+                if scope.cancelled_caught:
+                    raise TimeoutError
+            except TimeoutError:
+                for request, key in zip(group, keys, strict=True):
+                    if key not in self._closed:
+                        await self._fail(
+                            channel,
+                            request,
+                            key[1],
+                            "EpisodeTimeout",
+                            f"the episode ran longer than episode_timeout={self.episode_timeout}s;"
+                            " its worker was stopped",
+                            retrying=False,
+                        )
+                return
+            except Exception as exc:
+                died = type(exc).__name__ in _WORKER_DIED
+                message = str(exc) or repr(exc)
+                if died:
+                    message = f"the worker process died ({message or 'no detail'})"
+                again = []
+                for request, key in zip(group, keys, strict=True):
+                    if key in self._closed:
+                        continue
+                    retrying = died and key[1] <= self.retries
+                    await self._fail(
+                        channel, request, key[1], type(exc).__name__, message, retrying
+                    )
+                    if retrying:
+                        attempts[request.index] += 1
+                        again.append(request)
+                group = again
+                continue
+            for terminal in terminals:
+                await terminal.wait()
+            return
 
     async def _play(self, request: EpisodeRequest, channel: Channel) -> None:
-        recipe_key, recipe = self.runner._recipe_for(request.mix)
         for attempt in range(1, self.retries + 2):
-            job = EpisodeJob(
-                address=channel.address,
-                token=channel.token,
-                run_id=self.run_id,
-                recipe_key=recipe_key,
-                recipe=recipe,
-                index=request.index,
-                attempt=attempt,
-                episode_id=request.episode_id,
-                env_seed=request.env_seed,
-                agent_seed=request.agent_seed,
-                max_iter=request.max_iter,
-                init_state=request.init_state,
-                reset_options=request.reset_options,
-                detail=self.detail,
-                mix=request.mix,
-            )
+            job = self._job(request, attempt, channel)
             key = (request.index, attempt)
             terminal = self._terminal.setdefault(key, anyio.Event())
             timeout = self.episode_timeout

@@ -10,10 +10,12 @@ it sends each observation over the same channel and plays the action that comes 
 
 from __future__ import annotations
 
+import concurrent.futures
 import copy
 import io
 import os
 import pickle
+import threading
 import time
 import traceback
 import warnings
@@ -25,7 +27,7 @@ import numpy as np
 from . import _channel
 from ._events import EpisodeFailed, EpisodeFinished, EpisodeStarted, StepBatch
 
-__all__ = ["EpisodeJob", "Recipe", "dumps", "run_episode", "warm"]
+__all__ = ["EpisodeJob", "Recipe", "dumps", "run_episode", "run_episodes", "warm"]
 
 # How many envs one worker keeps (a worker may serve several runners in turn).
 _MAX_ENVS = 2
@@ -222,23 +224,32 @@ class _RemoteAgent:
 
 _ENVS: dict[str, _Cached] = {}
 _BUILDS = 0
+# Envs that an episode is playing now (a worker may play several episodes at once, in threads).
+_IN_USE: set[str] = set()
+_ENVS_LOCK = threading.Lock()
 
 
-def _get_env(recipe_key: str, recipe_bytes: bytes) -> _Cached:
+def _get_env(recipe_key: str, recipe_bytes: bytes, slot: int = 0, keep: int = _MAX_ENVS) -> _Cached:
+    """The env of a recipe for episode slot ``slot`` of this worker (built if needed)."""
     global _BUILDS
-    cached = _ENVS.pop(recipe_key, None)
-    if cached is None:
-        _BUILDS += 1
-        while len(_ENVS) >= _MAX_ENVS:
-            _ENVS.pop(next(iter(_ENVS))).env.close()
-        cached = _Cached(pickle.loads(recipe_bytes))
-    _ENVS[recipe_key] = cached  # most recently used last
-    return cached
+    key = recipe_key if slot == 0 else f"{recipe_key}#{slot}"
+    with _ENVS_LOCK:  # builds too: grid2op's class creation is not thread-safe
+        cached = _ENVS.pop(key, None)
+        if cached is None:
+            _BUILDS += 1
+            idle = [k for k in _ENVS if k not in _IN_USE]
+            while len(_ENVS) >= max(keep, _MAX_ENVS) and idle:
+                _ENVS.pop(idle.pop(0)).env.close()
+            cached = _Cached(pickle.loads(recipe_bytes))
+        _ENVS[key] = cached  # most recently used last
+        _IN_USE.add(key)  # until the caller discards it
+        return cached
 
 
 def warm(recipe_key: str, recipe_bytes: bytes) -> int:
     """Build (or find) the env of a recipe; returns this worker's pid."""
     _get_env(recipe_key, recipe_bytes)
+    _IN_USE.discard(recipe_key)
     return os.getpid()
 
 
@@ -368,13 +379,26 @@ def _reset_options(job: EpisodeJob, cached: _Cached) -> dict[str, Any]:
     return options
 
 
-def run_episode(job: EpisodeJob) -> str:
+def run_episodes(jobs: list[EpisodeJob]) -> list[str]:
+    """Play several episodes at once, one thread and one env each (``run_episode`` each).
+
+    Meant for agents in the orchestrator: while one episode waits for its action, another steps.
+    """
+    if len(jobs) == 1:
+        return [run_episode(jobs[0])]
+    with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
+        futures = [pool.submit(run_episode, job, slot, len(jobs)) for slot, job in enumerate(jobs)]
+        return [f.result() for f in futures]
+
+
+def run_episode(job: EpisodeJob, slot: int = 0, slots: int = 1) -> str:
     """Play one episode, streaming its events; returns ``"finished"`` or ``"failed"``.
 
     Exceptions of the agent or the env become an ``EpisodeFailed`` event; a broken channel raises.
     """
     send = _channel.connect(job.address, job.token)
-    cached = _get_env(job.recipe_key, job.recipe)
+    cached = _get_env(job.recipe_key, job.recipe, slot, slots)
+    key = job.recipe_key if slot == 0 else f"{job.recipe_key}#{slot}"
     step = 0
     try:
         step = _play(job, cached, send)
@@ -382,7 +406,8 @@ def run_episode(job: EpisodeJob) -> str:
         raise
     except Exception as exc:
         # The env may be in any state now: build a fresh one for the next episode.
-        _ENVS.pop(job.recipe_key, None)
+        with _ENVS_LOCK:
+            _ENVS.pop(key, None)
         failure = EpisodeFailed(
             run_id=job.run_id,
             index=job.index,
@@ -394,6 +419,8 @@ def run_episode(job: EpisodeJob) -> str:
         )
         send(failure)
         return "failed"
+    finally:
+        _IN_USE.discard(key)
     return "finished"
 
 

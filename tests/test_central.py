@@ -116,7 +116,9 @@ class FailsOnSeedAgent(BaseAgent):  # type: ignore[misc]
         return self.action_space({})
 
 
-async def play(env: Any, agent: Any, workers: int = 2, **kwargs: Any) -> tuple[list[Any], Any]:
+async def play(
+    env: Any, agent: Any, workers: int = 2, warm_up: int = 0, **kwargs: Any
+) -> tuple[list[Any], Any]:
     rewards: dict[int, list[float]] = {}
 
     def keep(event: Any) -> None:
@@ -125,6 +127,10 @@ async def play(env: Any, agent: Any, workers: int = 2, **kwargs: Any) -> tuple[l
 
     async with AsyncRunner(env, agent=agent, workers=workers) as runner:
         with anyio.fail_after(300):
+            if warm_up:  # every env built before the run that counts
+                await runner.run(warm_up, max_iter=1)
+                if isinstance(agent, CentralAgent):
+                    agent.batch_sizes.clear()
             results = await runner.run(**{**KWARGS, **kwargs}, sinks=[CallbackSink(keep)])
     return [r.as_tuple() for r in results], rewards
 
@@ -229,6 +235,7 @@ async def test_async_agent_in_a_worker_is_rejected(env: Any) -> None:
         (dict(max_batch=0), "max_batch"),
         (dict(max_wait=-1.0), "max_wait"),
         (dict(max_wait=math.nan), "max_wait"),
+        (dict(envs_per_worker=0), "envs_per_worker"),
     ],
 )
 def test_bad_arguments_are_rejected(kwargs: dict[str, Any], match: str) -> None:
@@ -239,3 +246,12 @@ def test_bad_arguments_are_rejected(kwargs: dict[str, Any], match: str) -> None:
 def test_not_an_agent_is_rejected() -> None:
     with pytest.raises(TypeError, match="act"):
         CentralAgent(42)
+
+
+async def test_several_envs_per_worker(env: Any) -> None:
+    # One worker process plays the four episodes at once: same results, batches across them.
+    agent = MLPAgent(env.action_space)
+    in_worker = await play(env, agent)
+    central = CentralAgent(agent, envs_per_worker=4, max_wait=0.5)
+    assert await play(env, central, workers=1, warm_up=4) == in_worker
+    assert max(central.batch_sizes) > 1
