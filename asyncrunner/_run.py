@@ -214,7 +214,10 @@ class Run:
         async with requests:
             async for request in requests:
                 group = [request]
-                while len(group) < per_worker:
+                # Share what is left among the workers rather than fill the first ones.
+                left = requests.statistics().current_buffer_used + 1
+                size = min(per_worker, -(-left // self.runner.workers))
+                while len(group) < size:
                     try:
                         group.append(requests.receive_nowait())
                     except (anyio.WouldBlock, anyio.EndOfStream):

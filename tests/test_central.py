@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -255,3 +257,18 @@ async def test_several_envs_per_worker(env: Any) -> None:
     central = CentralAgent(agent, envs_per_worker=4, max_wait=0.5)
     assert await play(env, central, workers=1, warm_up=4) == in_worker
     assert max(central.batch_sizes) > 1
+
+
+@pytest.mark.parametrize(
+    "script",
+    [
+        ["examples/central_mlp.py", "--episodes", "2", "--max-iter", "20"],
+        ["examples/async_http_agent.py", "--episodes", "2", "--max-iter", "20"],
+    ],
+)
+def test_example_runs(script: list[str]) -> None:
+    done = subprocess.run(
+        [sys.executable, *script], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr
+    assert "same results: True" in done.stdout
