@@ -210,7 +210,9 @@ class Run:
     async def _dispatch(
         self, requests: MemoryObjectReceiveStream[EpisodeRequest], channel: Channel
     ) -> None:
-        per_worker = 1 if self.runner._central is None else self.runner._central.envs_per_worker
+        central = self.runner._central
+        # Dask claims each attempt on the channel (see _dask): one episode per task there.
+        per_worker = 1 if central is None or self.runner._dask else central.envs_per_worker
         async with requests:
             async for request in requests:
                 group = [request]
