@@ -216,9 +216,9 @@ class Run:
         async with requests:
             async for request in requests:
                 group = [request]
-                # Share what is left among the workers rather than fill the first ones.
-                left = requests.statistics().current_buffer_used + 1
-                size = min(per_worker, -(-left // self.runner.workers))
+                # Share the run among the workers rather than fill the first ones (and leave
+                # a last, smaller group to play alone at the end).
+                size = min(per_worker, -(-len(self.requests) // self.runner.workers))
                 while len(group) < size:
                     try:
                         group.append(requests.receive_nowait())

@@ -163,15 +163,18 @@ async def test_seeded_agent_class_in_orchestrator_matches_in_worker(env: Any) ->
 
 async def test_async_agent_waits_overlap(env: Any) -> None:
     agent = SleepyAgent(env.action_space, delay=0.02)
-    async with AsyncRunner(env, agent=CentralAgent(agent), workers=4) as runner:
+    # 8 episodes in flight on 2 processes; vectors=True: the agent ignores its observations,
+    # the test times the waits alone.
+    central = CentralAgent(agent, vectors=True, envs_per_worker=4)
+    async with AsyncRunner(env, agent=central, workers=2) as runner:
         with anyio.fail_after(300):
-            await runner.run(4, max_iter=1)  # every worker started, its env built
+            await runner.run(8, max_iter=1)  # every worker started, its envs built
             agent.calls = 0
             start = time.perf_counter()
-            results = await runner.run(4, max_iter=30, env_seeds=[1, 2, 3, 4])
+            results = await runner.run(8, max_iter=30, env_seeds=list(range(8)))
             elapsed = time.perf_counter() - start
-    assert agent.calls == sum(r.nb_time_step for r in results) == 120
-    sequential = agent.calls * agent.delay  # 2.4 s if the calls waited one after the other
+    assert agent.calls == sum(r.nb_time_step for r in results) >= 200
+    sequential = agent.calls * agent.delay  # >= 4 s if the calls waited one after the other
     assert elapsed < sequential / 2
     assert agent.max_pending > 1
 
