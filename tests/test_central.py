@@ -181,10 +181,12 @@ async def test_async_agent_waits_overlap(env: Any) -> None:
 
 async def test_batches_hold_the_episodes_in_flight(env: Any) -> None:
     agent = MLPAgent(env.action_space)
-    central = CentralAgent(agent, max_batch=2, max_wait=0.5)
-    async with AsyncRunner(env, agent=central, workers=3) as runner:
+    # One worker playing the three episodes at once: all three are in flight together (with
+    # one episode per process, a process still starting would leave the others alone).
+    central = CentralAgent(agent, max_batch=2, max_wait=0.5, envs_per_worker=3)
+    async with AsyncRunner(env, agent=central, workers=1) as runner:
         with anyio.fail_after(300):
-            await runner.run(3, max_iter=1)  # every worker started, its env built
+            await runner.run(3, max_iter=1)  # the worker started, its envs built
             central.batch_sizes.clear()
             results = await runner.run(3, max_iter=30, env_seeds=[1, 2, 3])
     assert sum(r.nb_time_step for r in results) == sum(
