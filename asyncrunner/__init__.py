@@ -6,6 +6,7 @@ async with AsyncRunner(env, agent=DoNothingAgent, workers=2) as runner:
 
 from __future__ import annotations
 
+from ._central import CentralAgent
 from ._events import (
     EpisodeFailed,
     EpisodeFinished,
@@ -22,6 +23,7 @@ from ._runner import AsyncRunner
 __all__ = [
     "AsyncRunner",
     "AsyncRunnerError",
+    "CentralAgent",
     "EpisodeError",
     "EpisodeFailed",
     "EpisodeFinished",

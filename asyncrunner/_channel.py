@@ -13,6 +13,10 @@ same, and comes before any unpickling. A worker may *claim* an episode attempt b
 (``claim``): the first connection to claim it owns it, later ones (a task that Dask re-ran after
 its worker died) are refused, and ``Channel.drop`` closes the owner's connection, which stops the
 episode at its next send.
+
+An episode whose agent runs in the orchestrator (``CentralAgent``) sends an ``AgentCall`` (its
+observation) and waits for one reply frame (the action) on the same connection: the connection
+serves one episode at a time, so replies need no matching.
 """
 
 from __future__ import annotations
@@ -25,7 +29,8 @@ import shutil
 import socket
 import struct
 import tempfile
-from collections.abc import AsyncIterator, Callable
+import threading
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,7 +40,7 @@ from anyio.abc import SocketAttribute, SocketStream
 from anyio.streams.buffered import BufferedByteReceiveStream
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-__all__ = ["Channel", "ChannelClosed", "claim", "connect", "open_channel"]
+__all__ = ["AgentCall", "Channel", "ChannelClosed", "call", "claim", "connect", "open_channel"]
 
 _HEADER = struct.Struct("!Q")
 _HELLO_TIMEOUT = 10.0
@@ -56,6 +61,25 @@ class _Claim:
     key: str
 
 
+@dataclass(frozen=True)
+class AgentCall:
+    """Worker → runner: an episode's observation for the agent in the orchestrator.
+
+    Answered with one frame: the pickled ``("ok", action_vector)`` or
+    ``("error", type_name, message, traceback)``. ``agent_seed`` and ``first`` let the runner
+    build, seed and reset a per-episode agent as the worker would have.
+    """
+
+    run_id: str
+    index: int
+    attempt: int
+    observation: Any  # numpy vector, obs.to_vect()
+    reward: float
+    done: bool
+    agent_seed: int | None
+    first: bool
+
+
 def _tcp(address: str) -> tuple[str, int] | None:
     if not address.startswith("tcp://"):
         return None
@@ -65,16 +89,23 @@ def _tcp(address: str) -> tuple[str, int] | None:
 
 # --- worker side -----------------------------------------------------------------------------
 
-_connection: tuple[str, socket.socket] | None = None
+
+class _Local(threading.local):
+    # One connection per thread: a worker playing several episodes at once (one thread each)
+    # has one connection per episode, so each gets its own replies.
+    connection: tuple[str, socket.socket] | None = None
+
+
+_local = _Local()
 
 
 def connect(address: str, token: str) -> Callable[[Any], None]:
     """Return a function sending one event over the run's channel (connecting once per run)."""
-    global _connection
+    _connection = _local.connection
     if _connection is None or _connection[0] != address:
         if _connection is not None:
             _connection[1].close()
-            _connection = None
+            _local.connection = None
         tcp = _tcp(address)
         if tcp is None:
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -87,15 +118,14 @@ def connect(address: str, token: str) -> Callable[[Any], None]:
         except OSError as exc:
             sock.close()
             raise ChannelClosed(f"cannot reach the runner at {address}: {exc}") from exc
-        _connection = (address, sock)
+        _connection = _local.connection = (address, sock)
     sock = _connection[1]
 
     def send(event: Any) -> None:
-        global _connection
         try:
             sock.sendall(_frame(pickle.dumps(event, protocol=5)))
         except OSError as exc:
-            _connection = None
+            _local.connection = None
             sock.close()
             raise ChannelClosed(f"the runner's channel closed: {exc}") from exc
 
@@ -104,15 +134,14 @@ def connect(address: str, token: str) -> Callable[[Any], None]:
 
 def claim(address: str, token: str, key: str) -> bool:
     """Ask the runner for attempt ``key``: True for the first connection that asks, else False."""
-    global _connection
     error: Exception | None = None
     for _ in range(2):
         # A connection kept from an earlier run on the same address (a fixed TCP port) is
         # closed at the other end: reconnect once.
-        reused = _connection is not None and _connection[0] == address
+        reused = _local.connection is not None and _local.connection[0] == address
         connect(address, token)
-        assert _connection is not None
-        sock = _connection[1]
+        assert _local.connection is not None
+        sock = _local.connection[1]
         try:
             sock.sendall(_frame(pickle.dumps(_Claim(key), protocol=5)))
             answer = sock.recv(1)
@@ -120,11 +149,41 @@ def claim(address: str, token: str, key: str) -> bool:
             answer, error = b"", exc
         if answer:
             return answer == b"\x01"
-        _connection = None
+        _local.connection = None
         sock.close()
         if not reused:
             break
     raise ChannelClosed(f"the runner's channel closed: {error or 'EOF'}")
+
+
+def _receive_frame(sock: socket.socket) -> bytes:
+    def exactly(n: int) -> bytes:
+        chunks, left = [], n
+        while left:
+            chunk = sock.recv(min(left, 1 << 20))
+            if not chunk:
+                raise OSError("EOF")
+            chunks.append(chunk)
+            left -= len(chunk)
+        return b"".join(chunks)
+
+    (size,) = _HEADER.unpack(exactly(_HEADER.size))
+    return exactly(size)
+
+
+def call(address: str, token: str, message: Any) -> Any:
+    """Send ``message`` to the runner and wait for its one-frame reply (unpickled)."""
+    connect(address, token)
+    assert _local.connection is not None
+    sock = _local.connection[1]
+    try:
+        sock.sendall(_frame(pickle.dumps(message, protocol=5)))
+        payload = _receive_frame(sock)
+    except OSError as exc:
+        _local.connection = None
+        sock.close()
+        raise ChannelClosed(f"the runner's channel closed: {exc}") from exc
+    return pickle.loads(payload)
 
 
 # --- event loop side -------------------------------------------------------------------------
@@ -142,6 +201,8 @@ class Channel:
     rejected: int = 0
     pids: set[int] = field(default_factory=set)
     claims: dict[str, anyio.CancelScope] = field(default_factory=dict)
+    # Answers AgentCalls (set while a run's agent lives in the orchestrator).
+    agent: Callable[[AgentCall], Awaitable[bytes]] | None = None
 
     def drop(self, key: str) -> None:
         """Close the connection that claimed ``key``: its worker stops at its next send."""
@@ -187,6 +248,18 @@ class Channel:
                                 self.claims[event.key] = scope
                             try:
                                 await stream.send(b"\x01" if mine else b"\x00")
+                            except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+                                return
+                            continue
+                        if isinstance(event, AgentCall):
+                            if self.agent is None:
+                                reply = pickle.dumps(
+                                    ("error", "RuntimeError", "this run has no central agent", "")
+                                )
+                            else:
+                                reply = await self.agent(event)
+                            try:
+                                await stream.send(_frame(reply))
                             except (anyio.BrokenResourceError, anyio.ClosedResourceError):
                                 return
                             continue

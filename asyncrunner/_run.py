@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import anyio
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
+from ._central import serving
 from ._channel import Channel, open_channel
 from ._events import (
     EpisodeFailed,
@@ -31,7 +32,7 @@ from ._events import (
 from ._exceptions import EpisodeError, SinkError
 from ._plan import EpisodeRequest
 from ._results import EpisodeResult
-from ._worker import EpisodeJob, run_episode
+from ._worker import EpisodeJob, run_episode, run_episodes
 from .sinks._base import Sink
 
 if TYPE_CHECKING:
@@ -82,6 +83,7 @@ class Run:
         self._last_step: dict[int, int] = {}
         self._watchdogs: dict[tuple[int, int], anyio.CancelScope] = {}
         self._remaining = len(self.requests)
+        self._agent: Any = None  # the CentralAgent's server during execute, if any
 
     async def execute(
         self, out: MemoryObjectSendStream[Event] | None = None
@@ -90,7 +92,10 @@ class Run:
         spaces = await self.runner._spaces() if self.detail else {}
         sink_sends: list[MemoryObjectSendStream[Event]] = []
         dask = self.runner._dask
-        async with open_channel(listen=None if dask is None else dask.listen) as channel:
+        async with (
+            open_channel(listen=None if dask is None else dask.listen) as channel,
+            serving(self.runner._central, channel, self._env_of) as self._agent,
+        ):
             self.runner._watch(channel)
             try:
                 async with anyio.create_task_group() as sink_group:
@@ -114,6 +119,9 @@ class Run:
         if self.failure is not None and self.on_error == "raise":
             raise EpisodeError(self.failure, [r for r in results if r.error is None])
         return results
+
+    def _env_of(self, index: int) -> Any:
+        return self.runner._env_for(self._by_index[index].mix)
 
     def _ordered(self) -> list[EpisodeResult]:
         return [self.results[i] for i in sorted(self.results)]
@@ -195,35 +203,108 @@ class Run:
             return
         await emit(event)
         if key in self._closed:
+            if self._agent is not None:
+                self._agent.forget(key)
             self._terminal.setdefault(key, anyio.Event()).set()
 
     async def _dispatch(
         self, requests: MemoryObjectReceiveStream[EpisodeRequest], channel: Channel
     ) -> None:
+        central = self.runner._central
+        # Dask claims each attempt on the channel (see _dask): one episode per task there.
+        per_worker = 1 if central is None or self.runner._dask else central.envs_per_worker
         async with requests:
             async for request in requests:
-                await self._play(request, channel)
+                group = [request]
+                # Share the run among the workers rather than fill the first ones (and leave
+                # a last, smaller group to play alone at the end).
+                size = min(per_worker, -(-len(self.requests) // self.runner.workers))
+                while len(group) < size:
+                    try:
+                        group.append(requests.receive_nowait())
+                    except (anyio.WouldBlock, anyio.EndOfStream):
+                        break
+                if len(group) == 1:
+                    await self._play(request, channel)
+                else:
+                    await self._play_group(group, channel)
+
+    def _job(self, request: EpisodeRequest, attempt: int, channel: Channel) -> EpisodeJob:
+        recipe_key, recipe = self.runner._recipe_for(request.mix)
+        return EpisodeJob(
+            address=channel.address,
+            token=channel.token,
+            run_id=self.run_id,
+            recipe_key=recipe_key,
+            recipe=recipe,
+            index=request.index,
+            attempt=attempt,
+            episode_id=request.episode_id,
+            env_seed=request.env_seed,
+            agent_seed=request.agent_seed,
+            max_iter=request.max_iter,
+            init_state=request.init_state,
+            reset_options=request.reset_options,
+            detail=self.detail,
+            mix=request.mix,
+        )
+
+    async def _play_group(self, group: list[EpisodeRequest], channel: Channel) -> None:
+        """``_play`` for several episodes played at once by one worker (``envs_per_worker``).
+
+        A timeout or a dead worker ends every episode of the group still playing; those the
+        worker's death ended are retried together.
+        """
+        attempts = dict.fromkeys((r.index for r in group), 1)
+        while group:
+            keys = [(r.index, attempts[r.index]) for r in group]
+            terminals = [self._terminal.setdefault(key, anyio.Event()) for key in keys]
+            jobs = [self._job(r, attempts[r.index], channel) for r in group]
+            try:
+                with anyio.CancelScope() as scope:
+                    for key in keys:
+                        self._watchdogs[key] = scope
+                    await self.runner._call(run_episodes, jobs)
+                if scope.cancelled_caught:
+                    raise TimeoutError
+            except TimeoutError:
+                for request, key in zip(group, keys, strict=True):
+                    if key not in self._closed:
+                        await self._fail(
+                            channel,
+                            request,
+                            key[1],
+                            "EpisodeTimeout",
+                            f"the episode ran longer than episode_timeout={self.episode_timeout}s;"
+                            " its worker was stopped",
+                            retrying=False,
+                        )
+                return
+            except Exception as exc:
+                died = type(exc).__name__ in _WORKER_DIED
+                message = str(exc) or repr(exc)
+                if died:
+                    message = f"the worker process died ({message or 'no detail'})"
+                again = []
+                for request, key in zip(group, keys, strict=True):
+                    if key in self._closed:
+                        continue
+                    retrying = died and key[1] <= self.retries
+                    await self._fail(
+                        channel, request, key[1], type(exc).__name__, message, retrying
+                    )
+                    if retrying:
+                        attempts[request.index] += 1
+                        again.append(request)
+                group = again
+                continue
+            for terminal in terminals:
+                await terminal.wait()
+            return
 
     async def _play(self, request: EpisodeRequest, channel: Channel) -> None:
-        recipe_key, recipe = self.runner._recipe_for(request.mix)
         for attempt in range(1, self.retries + 2):
-            job = EpisodeJob(
-                address=channel.address,
-                token=channel.token,
-                run_id=self.run_id,
-                recipe_key=recipe_key,
-                recipe=recipe,
-                index=request.index,
-                attempt=attempt,
-                episode_id=request.episode_id,
-                env_seed=request.env_seed,
-                agent_seed=request.agent_seed,
-                max_iter=request.max_iter,
-                init_state=request.init_state,
-                reset_options=request.reset_options,
-                detail=self.detail,
-                mix=request.mix,
-            )
+            job = self._job(request, attempt, channel)
             key = (request.index, attempt)
             terminal = self._terminal.setdefault(key, anyio.Event())
             timeout = self.episode_timeout

@@ -15,6 +15,7 @@ import anyio
 import anyio.to_process
 from anyio.abc import AsyncResource, Process, TaskGroup
 
+from ._central import CentralAgent, is_async_agent
 from ._channel import Channel
 from ._dask import as_dask
 from ._events import Event
@@ -41,6 +42,13 @@ _FORK = available()
 def _agent_recipe(agent: Any) -> tuple[str, Any]:
     from grid2op.Agent import BaseAgent
 
+    if isinstance(agent, CentralAgent):
+        return "central", None  # the workers only step envs (see _central)
+    if is_async_agent(agent):
+        raise TypeError(
+            f"agent {agent!r} has an async act: it runs on the event loop, not in a worker; "
+            "pass agent=asyncrunner.CentralAgent(agent)"
+        )
     if isinstance(agent, type):
         if not issubclass(agent, BaseAgent):
             raise TypeError(
@@ -134,6 +142,7 @@ class AsyncRunner(AsyncResource):
         self.executor = executor
         self.sinks = tuple(sinks)
         self.retries = retries
+        self._central = agent if isinstance(agent, CentralAgent) else None
         self._names = chronic_names(env)
         self._mix_names = (
             None if self._mixes is None else {m: chronic_names(e) for m, e in self._mixes.items()}

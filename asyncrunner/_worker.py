@@ -4,15 +4,19 @@ Functions here are called in a worker (``_forkpool``, ``anyio.to_process`` or an
 picklable arguments. A worker keeps its env across episodes (``_ENVS``) and restores, before each episode,
 everything a fresh env built by grid2op's Runner would have, so results match grid2op's Runner
 bit for bit. Steps go back in batches over the run's channel (``_channel``), not as return values.
+When the agent lives in the orchestrator (``CentralAgent``), ``_RemoteAgent`` stands in for it:
+it sends each observation over the same channel and plays the action that comes back.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import copy
 import io
 import os
 import pickle
+import threading
 import time
 import traceback
 import warnings
@@ -24,7 +28,7 @@ import numpy as np
 from . import _channel
 from ._events import EpisodeFailed, EpisodeFinished, EpisodeStarted, StepBatch
 
-__all__ = ["EpisodeJob", "Recipe", "dumps", "run_episode", "warm"]
+__all__ = ["EpisodeJob", "Recipe", "dumps", "run_episode", "run_episodes", "warm"]
 
 # How many envs one worker keeps (a worker may serve several runners in turn).
 _MAX_ENVS = 2
@@ -43,7 +47,7 @@ class Recipe:
     """
 
     params: dict[str, Any]
-    agent_kind: str  # "class" | "instance" | "factory"
+    agent_kind: str  # "class" | "instance" | "factory" | "central" (agent: None)
     agent: Any
     classes: tuple[type, ...] = ()
 
@@ -168,25 +172,94 @@ class _Cached:
         return copy.copy(agent)
 
 
+class _CentralAgentFailed(Exception):
+    """The orchestrator's agent raised; carries its error's type name and traceback."""
+
+    def __init__(self, type_name: str, message: str, tb: str) -> None:
+        super().__init__(message)
+        self._ar_type = type_name
+        self._ar_traceback = tb
+
+
+class _RemoteAgent:
+    """Stands for the agent in the orchestrator: observation out, action back, per step.
+
+    The orchestrator seeds and resets its own agent (``AgentCall.first``).
+    """
+
+    # Actions decoded, by vector: ``from_vect`` costs more than a step; agents often reuse a few.
+    _CACHE_SIZE = 256
+
+    def __init__(self, job: EpisodeJob, env: Any) -> None:
+        from grid2op.dtypes import dt_float
+
+        self.job = job
+        self.action_space = env.action_space
+        self.row = np.empty(env.observation_space.n, dtype=dt_float)
+        self.first = True
+        self.cache: dict[bytes, Any] = {}
+
+    def seed(self, seed: int) -> None:
+        pass
+
+    def reset(self, obs: Any) -> None:
+        pass
+
+    def act(self, obs: Any, reward: float, done: bool = False) -> Any:
+        job = self.job
+        _fill(self.row, obs)
+        call = _channel.AgentCall(
+            run_id=job.run_id,
+            index=job.index,
+            attempt=job.attempt,
+            observation=self.row,
+            reward=float(reward),
+            done=bool(done),
+            agent_seed=job.agent_seed,
+            first=self.first,
+        )
+        reply = _channel.call(job.address, job.token, call)
+        self.first = False
+        if reply[0] != "ok":
+            raise _CentralAgentFailed(*reply[1:])
+        vector = reply[1]
+        key = vector.tobytes()
+        action = self.cache.get(key)
+        if action is None:
+            action = self.action_space.from_vect(vector, check_legit=False)
+            if len(self.cache) < self._CACHE_SIZE:
+                self.cache[key] = action
+        return action.copy()  # the env may keep or change what it is given
+
+
 _ENVS: dict[str, _Cached] = {}
 _BUILDS = 0
+# Envs that an episode is playing now (a worker may play several episodes at once, in threads).
+_IN_USE: set[str] = set()
+_ENVS_LOCK = threading.Lock()
 
 
-def _get_env(recipe_key: str, recipe_bytes: bytes) -> _Cached:
+def _get_env(recipe_key: str, recipe_bytes: bytes, slot: int = 0, keep: int = _MAX_ENVS) -> _Cached:
+    """The env of a recipe for episode slot ``slot`` of this worker (built if needed)."""
     global _BUILDS
-    cached = _ENVS.pop(recipe_key, None)
-    if cached is None:
-        _BUILDS += 1
-        while len(_ENVS) >= _MAX_ENVS:
-            _ENVS.pop(next(iter(_ENVS))).env.close()
-        cached = _Cached(pickle.loads(recipe_bytes))
-    _ENVS[recipe_key] = cached  # most recently used last
-    return cached
+    key = recipe_key if slot == 0 else f"{recipe_key}#{slot}"
+    with _ENVS_LOCK:  # builds too: grid2op's class creation is not thread-safe
+        cached = _ENVS.pop(key, None)
+        if cached is None:
+            _BUILDS += 1
+            idle = [k for k in _ENVS if k not in _IN_USE]
+            while len(_ENVS) >= max(keep, _MAX_ENVS) and idle:
+                _ENVS.pop(idle.pop(0)).env.close()
+            cached = _Cached(pickle.loads(recipe_bytes))
+        _ENVS[key] = cached  # most recently used last
+        _IN_USE.add(key)  # until the caller discards it
+        return cached
 
 
 def warm(recipe_key: str, recipe_bytes: bytes) -> int:
     """Build (or find) the env of a recipe; returns this worker's pid."""
     _get_env(recipe_key, recipe_bytes)
+    _IN_USE.discard(recipe_key)
     return os.getpid()
 
 
@@ -316,13 +389,26 @@ def _reset_options(job: EpisodeJob, cached: _Cached) -> dict[str, Any]:
     return options
 
 
-def run_episode(job: EpisodeJob) -> str:
+def run_episodes(jobs: list[EpisodeJob]) -> list[str]:
+    """Play several episodes at once, one thread and one env each (``run_episode`` each).
+
+    Meant for agents in the orchestrator: while one episode waits for its action, another steps.
+    """
+    if len(jobs) == 1:
+        return [run_episode(jobs[0])]
+    with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
+        futures = [pool.submit(run_episode, job, slot, len(jobs)) for slot, job in enumerate(jobs)]
+        return [f.result() for f in futures]
+
+
+def run_episode(job: EpisodeJob, slot: int = 0, slots: int = 1) -> str:
     """Play one episode, streaming its events; returns ``"finished"`` or ``"failed"``.
 
     Exceptions of the agent or the env become an ``EpisodeFailed`` event; a broken channel raises.
     """
     send = _channel.connect(job.address, job.token)
-    cached = _get_env(job.recipe_key, job.recipe)
+    cached = _get_env(job.recipe_key, job.recipe, slot, slots)
+    key = job.recipe_key if slot == 0 else f"{job.recipe_key}#{slot}"
     step = 0
     try:
         step = _play(job, cached, send)
@@ -330,18 +416,21 @@ def run_episode(job: EpisodeJob) -> str:
         raise
     except Exception as exc:
         # The env may be in any state now: build a fresh one for the next episode.
-        _ENVS.pop(job.recipe_key, None)
+        with _ENVS_LOCK:
+            _ENVS.pop(key, None)
         failure = EpisodeFailed(
             run_id=job.run_id,
             index=job.index,
             attempt=job.attempt,
-            error_type=type(exc).__name__,
+            error_type=getattr(exc, "_ar_type", type(exc).__name__),
             message=str(exc),
-            traceback=traceback.format_exc(),
+            traceback=getattr(exc, "_ar_traceback", None) or traceback.format_exc(),
             step=getattr(exc, "_ar_step", step),
         )
         send(failure)
         return "failed"
+    finally:
+        _IN_USE.discard(key)
     return "finished"
 
 
@@ -351,7 +440,7 @@ def _play(job: EpisodeJob, cached: _Cached, send: Any) -> int:
     cached.restore()
     env = cached.env
     names = cached.other_reward_names
-    agent = cached.new_agent()
+    agent = _RemoteAgent(job, env) if cached.recipe.agent_kind == "central" else cached.new_agent()
     obs = env.reset(seed=job.env_seed, options=_reset_options(job, cached))
     env._highres_sim_counter._HighResSimCounter__nb_highres_called = 0
     if job.env_seed is None:

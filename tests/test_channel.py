@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import anyio
 import anyio.to_thread
 import pytest
@@ -14,8 +17,8 @@ pytestmark = pytest.mark.anyio
 
 @pytest.fixture(autouse=True)
 def no_kept_connection(monkeypatch: pytest.MonkeyPatch) -> None:
-    # The worker side keeps one connection per process: start and end each test without one.
-    monkeypatch.setattr(_channel, "_connection", None)
+    # The worker side keeps one connection per thread: start and end each test without any.
+    monkeypatch.setattr(_channel, "_local", _channel._Local())
 
 
 @pytest.mark.parametrize("listen", [None, "tcp://127.0.0.1:0"], ids=["unix", "tcp"])
@@ -24,25 +27,22 @@ async def test_events_and_claims_reach_the_runner(listen: str | None) -> None:
         if listen is not None:
             assert channel.address.startswith("tcp://127.0.0.1:")
 
-        def worker() -> tuple[bool, bool]:
+        def worker() -> tuple[Callable[[Any], None], bool, bool]:
             send = connect(channel.address, channel.token)
             send({"step": 1})
-            return claim(channel.address, channel.token, "0/1"), claim(
-                channel.address, channel.token, "0/1"
-            )
+            first = claim(channel.address, channel.token, "0/1")
+            return send, first, claim(channel.address, channel.token, "0/1")
 
-        first, again = await anyio.to_thread.run_sync(worker)
+        send, first, again = await anyio.to_thread.run_sync(worker)
         with anyio.fail_after(10):
             assert await channel.receive.receive() == {"step": 1}
         assert (first, again) == (True, False)  # an attempt is played once
         assert "0/1" in channel.claims
     # The run is over: the worker's next send tells it to stop.
-    send = _channel._connection
-    assert send is not None
 
     def late() -> None:
         for _ in range(100):  # the peer's close may take a few sends to show
-            connect(channel.address, channel.token)({"step": 2})
+            send({"step": 2})
 
     with pytest.raises(ChannelClosed, match="channel closed"):
         await anyio.to_thread.run_sync(late)

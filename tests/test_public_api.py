@@ -10,6 +10,7 @@ PUBLIC = {
     "asyncrunner": [
         "AsyncRunner",
         "AsyncRunnerError",
+        "CentralAgent",
         "EpisodeError",
         "EpisodeFailed",
         "EpisodeFinished",

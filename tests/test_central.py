@@ -1,0 +1,279 @@
+"""Agents in the orchestrator (CentralAgent): parity with in-worker agents, async and batched agents."""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import anyio
+import numpy as np
+import pytest
+from grid2op.Agent import BaseAgent, RandomAgent
+
+from asyncrunner import AsyncRunner, CentralAgent, StepBatch
+from asyncrunner.sinks import CallbackSink
+
+from .test_reliability import children, wait_no_children
+
+pytestmark = pytest.mark.anyio
+
+ROOT = Path(__file__).resolve().parents[1]
+KWARGS: dict[str, Any] = dict(
+    nb_episode=4,
+    max_iter=30,
+    env_seeds=[1, 2, 3, 4],
+    agent_seeds=[11, 12, 13, 14],
+    episode_id=[0, 1, 2, 0],
+)
+
+
+class MLPAgent(BaseAgent):  # type: ignore[misc]
+    """A fixed-weight MLP over ``obs.to_vect()`` picking one of a few topology actions.
+
+    Deterministic and stateless (weights drawn from a fixed seed), so one instance may serve
+    every episode; ``choices`` records the picks made in this process.
+    """
+
+    def __init__(self, action_space: Any) -> None:
+        super().__init__(action_space)
+        topologies = action_space.get_all_unitary_topologies_set(action_space, sub_id=1)
+        self.actions = [action_space({}), *topologies[:7]]
+        self.w1 = self.w2 = np.empty(0)
+        self.choices: list[int] = []
+
+    def _pick(self, x: np.ndarray) -> list[int]:
+        if self.w1.size == 0:  # weights from a fixed seed, sized on the first observation
+            rng = np.random.default_rng(0)
+            self.w1 = rng.normal(size=(x.shape[1], 16))
+            self.w2 = rng.normal(size=(16, len(self.actions)))
+            self.w2[:, 0] += 2.0  # mostly do nothing: episodes last
+        h = np.tanh(np.sin(x) @ self.w1 / np.sqrt(x.shape[1]))
+        picks = [int(i) for i in np.argmax(h @ self.w2, axis=1)]
+        self.choices.extend(picks)
+        return picks
+
+    def act(self, observation: Any, reward: float, done: bool = False) -> Any:
+        return self.act_batch([observation], [reward], [done])[0]
+
+    def act_batch(self, observations: Any, rewards: Sequence[float], dones: Sequence[bool]) -> Any:
+        x = (
+            np.asarray(observations, dtype=np.float64)
+            if isinstance(observations, np.ndarray)
+            else np.stack([o.to_vect() for o in observations]).astype(np.float64)
+        )
+        return [self.actions[i] for i in self._pick(x)]
+
+
+class SleepyAgent:
+    """An async agent whose every call waits ``delay`` seconds (a remote service); counts overlap."""
+
+    def __init__(self, action_space: Any, delay: float) -> None:
+        self.noop = action_space({})
+        self.delay = delay
+        self.calls = self.pending = self.max_pending = 0
+
+    async def act(self, observation: Any, reward: float, done: bool) -> Any:
+        self.calls += 1
+        self.pending += 1
+        self.max_pending = max(self.max_pending, self.pending)
+        try:
+            await anyio.sleep(self.delay)
+        finally:
+            self.pending -= 1
+        return self.noop
+
+
+class HangingAgent:
+    """An async agent whose first call never returns."""
+
+    def __init__(self) -> None:
+        self.called = anyio.Event()
+
+    async def act(self, observation: Any, reward: float, done: bool) -> Any:
+        self.called.set()
+        await anyio.sleep_forever()
+
+
+class FailsOnSeedAgent(BaseAgent):  # type: ignore[misc]
+    """Raises at its third step in the episode seeded with 12."""
+
+    def __init__(self, action_space: Any) -> None:
+        super().__init__(action_space)
+        self.fail = False
+        self.steps = 0
+
+    def seed(self, seed: int) -> Any:
+        self.fail = seed == 12
+        return super().seed(seed)
+
+    def act(self, observation: Any, reward: float, done: bool = False) -> Any:
+        self.steps += 1
+        if self.fail and self.steps == 3:
+            raise ValueError("agent gave up")
+        return self.action_space({})
+
+
+async def play(
+    env: Any, agent: Any, workers: int = 2, warm_up: int = 0, **kwargs: Any
+) -> tuple[list[Any], Any]:
+    rewards: dict[int, list[float]] = {}
+
+    def keep(event: Any) -> None:
+        if isinstance(event, StepBatch):
+            rewards.setdefault(event.index, []).extend(event.rewards.tolist())
+
+    async with AsyncRunner(env, agent=agent, workers=workers) as runner:
+        with anyio.fail_after(300):
+            if warm_up:  # every env built before the run that counts
+                await runner.run(warm_up, max_iter=1)
+                if isinstance(agent, CentralAgent):
+                    agent.batch_sizes.clear()
+            results = await runner.run(**{**KWARGS, **kwargs}, sinks=[CallbackSink(keep)])
+    return [r.as_tuple() for r in results], rewards
+
+
+async def test_mlp_in_orchestrator_matches_in_worker(env: Any) -> None:
+    agent = MLPAgent(env.action_space)
+    in_worker = await play(env, agent)
+    central = CentralAgent(agent, max_batch=8)
+    assert await play(env, central) == in_worker
+    assert len(set(agent.choices)) > 1  # the test would see a wrong action
+    assert sum(n * c for n, c in central.batch_sizes.items()) == len(agent.choices)
+
+
+async def test_vectors_give_the_same_results(env: Any) -> None:
+    agent = MLPAgent(env.action_space)
+    kwargs: dict[str, Any] = dict(
+        nb_episode=2, env_seeds=[1, 2], agent_seeds=None, episode_id=[0, 1]
+    )
+    in_worker = await play(env, agent, **kwargs)
+    assert await play(env, CentralAgent(agent, vectors=True), **kwargs) == in_worker
+    assert len(set(agent.choices)) > 1
+
+
+async def test_seeded_agent_class_in_orchestrator_matches_in_worker(env: Any) -> None:
+    # One RandomAgent per episode, seeded with its agent seed, as in a worker.
+    assert await play(env, CentralAgent(RandomAgent)) == await play(env, RandomAgent)
+
+
+async def test_async_agent_waits_overlap(env: Any) -> None:
+    agent = SleepyAgent(env.action_space, delay=0.02)
+    # 8 episodes in flight on 2 processes; vectors=True: the agent ignores its observations,
+    # the test times the waits alone.
+    central = CentralAgent(agent, vectors=True, envs_per_worker=4)
+    async with AsyncRunner(env, agent=central, workers=2) as runner:
+        with anyio.fail_after(300):
+            await runner.run(8, max_iter=1)  # every worker started, its envs built
+            agent.calls = 0
+            start = time.perf_counter()
+            results = await runner.run(8, max_iter=30, env_seeds=list(range(8)))
+            elapsed = time.perf_counter() - start
+    assert agent.calls == sum(r.nb_time_step for r in results) >= 200
+    sequential = agent.calls * agent.delay  # >= 4 s if the calls waited one after the other
+    assert elapsed < sequential / 2
+    assert agent.max_pending > 1
+
+
+async def test_batches_hold_the_episodes_in_flight(env: Any) -> None:
+    agent = MLPAgent(env.action_space)
+    # One worker playing the three episodes at once: all three are in flight together (with
+    # one episode per process, a process still starting would leave the others alone).
+    central = CentralAgent(agent, max_batch=2, max_wait=0.5, envs_per_worker=3)
+    async with AsyncRunner(env, agent=central, workers=1) as runner:
+        with anyio.fail_after(300):
+            await runner.run(3, max_iter=1)  # the worker started, its envs built
+            central.batch_sizes.clear()
+            results = await runner.run(3, max_iter=30, env_seeds=[1, 2, 3])
+    assert sum(r.nb_time_step for r in results) == sum(
+        n * c for n, c in central.batch_sizes.items()
+    )
+    assert max(central.batch_sizes) == 2  # several episodes per call, never above max_batch
+
+
+async def test_agent_error_fails_its_episode_only(env: Any) -> None:
+    async with AsyncRunner(env, agent=CentralAgent(FailsOnSeedAgent), workers=2) as runner:
+        with anyio.fail_after(300):
+            results = await runner.run(**KWARGS, on_error="continue")
+    assert [r.error is None for r in results] == [True, False, True, True]
+    error = results[1].error
+    assert error is not None
+    assert (error.error_type, error.message, error.step) == ("ValueError", "agent gave up", 2)
+    assert "agent gave up" in error.traceback
+    assert [r.nb_time_step for r in results if r.error is None] == [30, 30, 30]
+
+
+async def test_cancelling_while_the_agent_call_is_pending(env: Any, tmp_path: Any) -> None:
+    from grid2op.Episode import EpisodeData
+
+    before = children()
+    agent = HangingAgent()
+    runner = AsyncRunner(env, agent=CentralAgent(agent), workers=2)
+    scope = anyio.CancelScope()
+
+    async def run() -> None:
+        with scope:
+            await runner.run(2, max_iter=20, path_save=tmp_path)
+
+    with anyio.fail_after(300):
+        async with anyio.create_task_group() as group:
+            group.start_soon(run)
+            await agent.called.wait()
+            scope.cancel()
+    assert scope.cancelled_caught
+    await runner.aclose()
+    await wait_no_children(before)
+    assert EpisodeData.list_episode(str(tmp_path)) == []
+    assert [p for p in tmp_path.iterdir() if p.is_dir()] == []
+
+
+async def test_async_agent_in_a_worker_is_rejected(env: Any) -> None:
+    with pytest.raises(TypeError, match="CentralAgent"):
+        AsyncRunner(env, agent=SleepyAgent(env.action_space, 0.0))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        (dict(max_batch=0), "max_batch"),
+        (dict(max_wait=-1.0), "max_wait"),
+        (dict(max_wait=math.nan), "max_wait"),
+        (dict(envs_per_worker=0), "envs_per_worker"),
+    ],
+)
+def test_bad_arguments_are_rejected(kwargs: dict[str, Any], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        CentralAgent(RandomAgent, **kwargs)
+
+
+def test_not_an_agent_is_rejected() -> None:
+    with pytest.raises(TypeError, match="act"):
+        CentralAgent(42)
+
+
+async def test_several_envs_per_worker(env: Any) -> None:
+    # One worker process plays the four episodes at once: same results, batches across them.
+    agent = MLPAgent(env.action_space)
+    in_worker = await play(env, agent)
+    central = CentralAgent(agent, envs_per_worker=4, max_wait=0.5)
+    assert await play(env, central, workers=1, warm_up=4) == in_worker
+    assert max(central.batch_sizes) > 1
+
+
+@pytest.mark.parametrize(
+    "script",
+    [
+        ["examples/central_mlp.py", "--episodes", "2", "--max-iter", "20"],
+        ["examples/async_http_agent.py", "--episodes", "2", "--max-iter", "20"],
+    ],
+)
+def test_example_runs(script: list[str]) -> None:
+    done = subprocess.run(
+        [sys.executable, *script], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr
+    assert "same results: True" in done.stdout
