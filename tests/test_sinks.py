@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import re
 import subprocess
 import sys
@@ -413,3 +414,32 @@ def test_pbar_true_in_a_script_shows_both_bars_reaching_their_totals(tmp_path: P
     for desc, n, total in _BAR.findall(done.stderr):
         last[desc] = (int(n), int(total))
     assert last == {"episode": (3, 3), "step": (15, 15)}, done.stderr
+
+
+@pytest.mark.parametrize("no_links", [False, True], ids=["hard links", "no hard links"])
+def test_compact_files_are_placed_without_replacing_any(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, no_links: bool
+) -> None:
+    import errno
+
+    from asyncrunner.sinks import _compact
+
+    if no_links:  # e.g. a file system without hard links: move, after checking
+
+        def refuse(src: Any, dst: Any) -> None:
+            raise OSError(errno.EPERM, "no hard links here")
+
+        monkeypatch.setattr(os, "link", refuse)
+    first, second, target = tmp_path / "a.tmp", tmp_path / "b.tmp", tmp_path / "ep.npz"
+    first.write_text("first")
+    second.write_text("second")
+    assert _compact._place(str(first), str(target)) is True
+    assert _compact._place(str(second), str(target)) is False  # taken: never replaced
+    assert target.read_text() == "first" and not first.exists()
+
+
+def test_compact_placing_raises_other_errors(tmp_path: Path) -> None:
+    from asyncrunner.sinks import _compact
+
+    with pytest.raises(FileNotFoundError):
+        _compact._place(str(tmp_path / "missing.tmp"), str(tmp_path / "ep.npz"))
