@@ -277,3 +277,42 @@ def test_example_runs(script: list[str]) -> None:
     )
     assert done.returncode == 0, done.stderr
     assert "same results: True" in done.stdout
+
+
+async def test_a_timeout_ends_every_episode_of_the_group(env: Any) -> None:
+    # One worker plays both episodes together; the agent never answers.
+    central = CentralAgent(HangingAgent(), envs_per_worker=2)
+    async with AsyncRunner(env, agent=central, workers=1) as runner:
+        with anyio.fail_after(120):
+            results = await runner.run(
+                2, max_iter=20, episode_timeout=2.0, on_error="continue", retries=0
+            )
+    assert [r.error.error_type if r.error else None for r in results] == ["EpisodeTimeout"] * 2
+
+
+async def test_a_worker_dying_mid_group_replays_the_group(env: Any) -> None:
+    import os
+    import signal
+
+    from asyncrunner import EpisodeFailed, EpisodeStarted
+
+    events: list[Any] = []
+
+    def kill_once(event: Any) -> None:
+        events.append(event)
+        if isinstance(event, StepBatch) and not any(isinstance(e, EpisodeFailed) for e in events):
+            started = next(e for e in events if isinstance(e, EpisodeStarted))
+            os.kill(started.worker, signal.SIGKILL)
+
+    central = CentralAgent(SleepyAgent(env.action_space, 0.005), envs_per_worker=2)
+    async with AsyncRunner(env, agent=central, workers=1) as runner:
+        with anyio.fail_after(300):
+            results = await runner.run(
+                2, max_iter=60, env_seeds=[1, 2], episode_id=[0, 1], sinks=[CallbackSink(kill_once)]
+            )
+    failed = [(e.index, e.attempt, e.retrying) for e in events if isinstance(e, EpisodeFailed)]
+    assert sorted(failed) == [(0, 1, True), (1, 1, True)]  # the whole group, retried
+    assert [(r.error, r.nb_time_step) for r in results] == [(None, 60), (None, 60)]
+    # The final attempts' steps arrive once each.
+    final = [e for e in events if isinstance(e, StepBatch) and e.attempt == 2]
+    assert [sum(len(e) for e in final if e.index == i) for i in (0, 1)] == [60, 60]
