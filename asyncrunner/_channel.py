@@ -36,8 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
-from anyio.abc import SocketAttribute, SocketStream
-from anyio.streams.buffered import BufferedByteReceiveStream
+import anyio.abc
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 __all__ = ["AgentCall", "Channel", "ChannelClosed", "call", "claim", "connect", "open_channel"]
@@ -210,60 +209,96 @@ class Channel:
         if scope is not None:
             scope.cancel()
 
-    async def _serve(self, stream: SocketStream) -> None:
-        async with stream:
-            buffered = BufferedByteReceiveStream(stream)
+    async def _serve(self, sock: socket.socket) -> None:
+        with sock:
+            conn = _Connection(sock)
             try:
                 with anyio.fail_after(_HELLO_TIMEOUT):
-                    (size,) = _HEADER.unpack(await buffered.receive_exactly(_HEADER.size))
+                    (size,) = _HEADER.unpack(await conn.receive_exactly(_HEADER.size))
                     if size > 200:
                         raise ValueError("hello too long")
-                    token, _, pid = (await buffered.receive_exactly(size)).decode().partition(" ")
+                    token, _, pid = (await conn.receive_exactly(size)).decode().partition(" ")
                 if not hmac.compare_digest(token, self.token):
                     raise ValueError("bad token")
                 self.pids.add(int(pid))
-            except (
-                TimeoutError,
-                ValueError,
-                anyio.IncompleteRead,
-                anyio.EndOfStream,
-                anyio.BrokenResourceError,
-                UnicodeDecodeError,
-            ):
+            except (TimeoutError, ValueError, OSError, EOFError, UnicodeDecodeError):
                 self.rejected += 1
                 return
             async with self.send.clone() as send:
                 with anyio.CancelScope() as scope:
-                    while True:
-                        try:
-                            header = await buffered.receive_exactly(_HEADER.size)
-                            (size,) = _HEADER.unpack(header)
-                            payload = await buffered.receive_exactly(size)
-                        except (anyio.IncompleteRead, anyio.EndOfStream, anyio.BrokenResourceError):
-                            return  # the worker went away; the dispatcher notices through its call
-                        event = pickle.loads(payload)
-                        if isinstance(event, _Claim):
-                            mine = event.key not in self.claims
-                            if mine:
-                                self.claims[event.key] = scope
-                            try:
-                                await stream.send(b"\x01" if mine else b"\x00")
-                            except (anyio.BrokenResourceError, anyio.ClosedResourceError):
-                                return
-                            continue
-                        if isinstance(event, AgentCall):
-                            if self.agent is None:
-                                reply = pickle.dumps(
-                                    ("error", "RuntimeError", "this run has no central agent", "")
-                                )
+                    try:
+                        while True:
+                            (size,) = _HEADER.unpack(await conn.receive_exactly(_HEADER.size))
+                            event = pickle.loads(await conn.receive_exactly(size))
+                            if isinstance(event, _Claim):
+                                mine = event.key not in self.claims
+                                if mine:
+                                    self.claims[event.key] = scope
+                                await conn.send(b"\x01" if mine else b"\x00")
+                            elif isinstance(event, AgentCall):
+                                if self.agent is None:
+                                    reply = pickle.dumps(
+                                        (
+                                            "error",
+                                            "RuntimeError",
+                                            "this run has no central agent",
+                                            "",
+                                        )
+                                    )
+                                else:
+                                    reply = await self.agent(event)
+                                await conn.send(_frame(reply))
                             else:
-                                reply = await self.agent(event)
-                            try:
-                                await stream.send(_frame(reply))
-                            except (anyio.BrokenResourceError, anyio.ClosedResourceError):
-                                return
-                            continue
-                        await send.send(event)
+                                await send.send(event)
+                    except (OSError, EOFError):
+                        return  # the worker went away; the dispatcher notices through its call
+
+    async def _accept(self, listener: socket.socket, group: anyio.abc.TaskGroup) -> None:
+        while True:
+            await anyio.wait_readable(listener)
+            try:
+                sock, _ = listener.accept()
+            except BlockingIOError:
+                continue  # another process took it
+            if sock.family != socket.AF_UNIX:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            group.start_soon(self._serve, sock)
+
+
+class _Connection:
+    """One worker's socket, read and written without blocking through ``anyio.wait_readable``.
+
+    anyio's UNIX socket streams are not used: on asyncio, a read cancelled in the loop turn
+    where its data arrives is completed by a loop callback anyway, which raises
+    ``InvalidStateError`` (agronholm/anyio#1267).
+    """
+
+    def __init__(self, sock: socket.socket) -> None:
+        sock.setblocking(False)
+        self.sock = sock
+        self.buffer = bytearray()
+
+    async def receive_exactly(self, n: int) -> bytes:
+        while len(self.buffer) < n:
+            try:
+                chunk = self.sock.recv(max(n - len(self.buffer), 1 << 16))
+            except BlockingIOError:
+                await anyio.wait_readable(self.sock)
+                continue
+            if not chunk:
+                raise EOFError
+            self.buffer += chunk
+        data = bytes(self.buffer[:n])
+        del self.buffer[:n]
+        return data
+
+    async def send(self, data: bytes) -> None:
+        view = memoryview(data)
+        while view:
+            try:
+                view = view[self.sock.send(view) :]
+            except BlockingIOError:
+                await anyio.wait_writable(self.sock)
 
 
 @asynccontextmanager
@@ -281,23 +316,26 @@ async def open_channel(max_buffer: int = 64, listen: str | None = None) -> Async
     address = os.path.join(folder, "channel")
     send, receive = anyio.create_memory_object_stream[Any](max_buffer)
     try:
-        listener: Any
         if tcp is None:
-            listener = await anyio.create_unix_listener(address)
+            listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            listener.bind(address)
+            listener.listen()
         else:
-            listener = await anyio.create_tcp_listener(local_host=tcp[0], local_port=tcp[1])
-            port = listener.listeners[0].extra(SocketAttribute.local_port)
+            family = socket.AF_INET6 if ":" in tcp[0] else socket.AF_INET
+            listener = socket.create_server(tcp, family=family)
             host = f"[{tcp[0]}]" if ":" in tcp[0] else tcp[0]
-            address = f"tcp://{host}:{port}"
+            address = f"tcp://{host}:{listener.getsockname()[1]}"
+        listener.setblocking(False)
         channel = Channel(address=address, token=secrets.token_hex(16), send=send, receive=receive)
         _OPEN[address] = channel
         try:
-            async with listener, send, receive, anyio.create_task_group() as inner:
-                inner.start_soon(listener.serve, channel._serve, inner)
-                try:
-                    yield channel
-                finally:
-                    inner.cancel_scope.cancel()
+            with listener:
+                async with send, receive, anyio.create_task_group() as inner:
+                    inner.start_soon(channel._accept, listener, inner)
+                    try:
+                        yield channel
+                    finally:
+                        inner.cancel_scope.cancel()
         finally:
             _OPEN.pop(address, None)
     finally:

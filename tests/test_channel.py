@@ -6,6 +6,7 @@ from collections.abc import Callable
 from typing import Any
 
 import anyio
+import anyio.lowlevel
 import anyio.to_thread
 import pytest
 
@@ -57,3 +58,26 @@ async def test_listen_must_be_a_tcp_address() -> None:
     with pytest.raises(ValueError, match=r"tcp://HOST:PORT"):
         async with open_channel(listen="udp://127.0.0.1:0"):
             pass
+
+
+@pytest.mark.parametrize("listen", [None, "tcp://127.0.0.1:0"], ids=["unix", "tcp"])
+async def test_closing_while_a_frame_arrives(listen: str | None) -> None:
+    # Data that becomes readable in the same loop turn as the run's cancellation: the read
+    # being cancelled must not be completed as well (anyio's own UNIX socket streams, on
+    # asyncio, raise InvalidStateError from a loop callback then: agronholm/anyio#1267).
+    import pickle
+    import socket
+
+    from asyncrunner._channel import _frame, _tcp
+
+    for _ in range(3):
+        async with open_channel(listen=listen) as channel:
+            tcp = _tcp(channel.address)
+            sock = socket.socket(socket.AF_UNIX) if tcp is None else socket.socket()
+            with sock:
+                sock.connect(channel.address if tcp is None else tcp)
+                sock.sendall(_frame(channel.token.encode() + b" 1"))
+                await anyio.sleep(0.05)  # the runner now waits for the next frame
+                sock.sendall(_frame(pickle.dumps("event")))
+                # The close below runs in the loop turn that sees the frame.
+                await anyio.lowlevel.checkpoint()

@@ -202,10 +202,16 @@ def dask_commands(tmp_path: Path) -> Iterator[str]:
     scheduler = [dask, "scheduler", "--host", "127.0.0.1", "--port", "0", "--no-dashboard"]
     procs = [subprocess.Popen([*scheduler, "--scheduler-file", str(file)], **quiet)]
     try:
+        # The scheduler writes the file in place: wait until it holds the whole JSON.
         deadline = time.monotonic() + 60
-        while not file.exists() and time.monotonic() < deadline:
-            time.sleep(0.1)
-        address = str(json.loads(file.read_text())["address"])
+        while True:
+            try:
+                address = str(json.loads(file.read_text())["address"])
+                break
+            except (FileNotFoundError, json.JSONDecodeError):
+                if time.monotonic() > deadline or procs[0].poll() is not None:
+                    raise
+                time.sleep(0.1)
         assert address.startswith("tcp://127.0.0.1:")
         worker = [dask, "worker", address, "--nthreads", "1", "--host", "127.0.0.1"]
         for _ in range(2):
