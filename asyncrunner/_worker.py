@@ -271,11 +271,19 @@ def _to_float(value: Any) -> float:
         return -float("inf")
 
 
-def _fill(row: np.ndarray, obs: Any) -> None:
-    """``row[:] = obs.to_vect()``, about twice as fast: no intermediate arrays, no checks."""
+def _fill(row: np.ndarray, obj: Any) -> None:
+    """``row[:] = obj.to_vect()`` for an observation or an action, without intermediate arrays.
+
+    An action's injections live in its ``_dict_inj`` and unset ones take their class's default,
+    as in grid2op's ``BaseAction._get_array_from_attr_name``.
+    """
+    cls = type(obj)
+    injections = getattr(obj, "_dict_inj", {})
     start = 0
-    for name in type(obs).attr_list_vect:
-        value = getattr(obs, name)
+    for name in cls.attr_list_vect:
+        value = getattr(obj, name, None)
+        if value is None:
+            value = injections[name] if name in injections else cls._build_attr(name)
         if isinstance(value, np.ndarray):
             end = start + value.size
             row[start:end] = value.ravel()
@@ -323,11 +331,11 @@ class _Batcher:
     ) -> None:
         i = self.n
         if self.detail:
-            self.actions[i] = act.to_vect()
-            self.env_actions[i] = env._env_modification.to_vect()
+            _fill(self.actions[i], act)
+            _fill(self.env_actions[i], env._env_modification)
             _fill(self.observations[i], obs)
             if attack is not None:
-                self.attacks[i] = attack.to_vect()
+                _fill(self.attacks[i], attack)
             else:
                 self.attacks[i] = 0.0
             if "disc_lines" in info:
