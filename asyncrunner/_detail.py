@@ -16,29 +16,25 @@ import anyio
 import anyio.to_thread
 import numpy as np
 
-from ._events import EpisodeFailed, EpisodeFinished, EpisodeStarted, Event, StepBatch
-from .sinks._base import Sink
-from .sinks._episode_data import _EpisodeBuffer
+from ._events import EpisodeFinished, EpisodeStarted
+from .sinks._compact import compact_capacity, compact_content
+from .sinks._episode_data import BufferingSink, _EpisodeBuffer
 
 __all__ = ["DetailCollector", "compact_episode_data", "episode_data"]
 
-_NO_LIMIT = int(np.iinfo(np.int32).max)  # env.max_episode_duration() of an endless episode
 
-
-class DetailCollector(Sink):
+class DetailCollector(BufferingSink):
     """Builds each finished episode's ``EpisodeData`` (``compact``: ``CompactEpisodeData``).
 
     ``env_for(mix)`` gives the parent's env (or mix) whose spaces the objects use. ``data`` maps
     request index to the built object.
     """
 
-    needs_steps = True
-
     def __init__(self, env_for: Callable[[str | None], Any], *, compact: bool = False) -> None:
+        super().__init__()
         self.env_for = env_for
         self.compact = compact
         self.data: dict[int, Any] = {}
-        self._open: dict[tuple[str, int], _EpisodeBuffer] = {}
         self._obs_spaces: dict[str | None, Any] = {}
         # One build at a time: they share the spaces, and each one is CPU-bound anyway.
         self._limiter = anyio.CapacityLimiter(1)
@@ -47,32 +43,12 @@ class DetailCollector(Sink):
         return f"DetailCollector(compact={self.compact})"
 
     def _capacity(self, started: EpisodeStarted) -> int:
-        if not self.compact:
-            return started.max_ts  # grid2op preallocates chronics_handler.max_timestep() rows
-        duration = started.max_episode_duration
-        return duration if 0 < duration < _NO_LIMIT else 0
+        return compact_capacity(started) if self.compact else super()._capacity(started)
 
-    async def send(self, event: Event) -> None:
-        if isinstance(event, StepBatch):
-            buffer = self._open.get((event.run_id, event.index))
-            if buffer is not None and buffer.attempt == event.attempt:
-                buffer.add(event)
-        elif isinstance(event, EpisodeStarted):
-            self._open[(event.run_id, event.index)] = _EpisodeBuffer(event, self._capacity(event))
-        elif isinstance(event, EpisodeFinished):
-            buffer = self._open.pop((event.run_id, event.index), None)
-            if buffer is None or buffer.attempt != event.attempt:
-                return
-            self.data[event.index] = await anyio.to_thread.run_sync(
-                self._build, buffer, event, limiter=self._limiter
-            )
-        elif isinstance(event, EpisodeFailed):
-            buffer = self._open.get((event.run_id, event.index))
-            if buffer is not None and buffer.attempt == event.attempt:
-                del self._open[(event.run_id, event.index)]
-
-    async def aclose(self) -> None:
-        self._open.clear()
+    async def _finished(self, buffer: _EpisodeBuffer, finished: EpisodeFinished) -> None:
+        self.data[finished.index] = await anyio.to_thread.run_sync(
+            self._build, buffer, finished, limiter=self._limiter
+        )
 
     def _build(self, buffer: _EpisodeBuffer, finished: EpisodeFinished) -> Any:
         mix = buffer.started.mix
@@ -173,45 +149,22 @@ def compact_episode_data(
     """The ``CompactEpisodeData`` grid2op's Runner returns (``use_compact_episode_data=True``)."""
     from grid2op.Episode import CompactEpisodeData
 
-    started = buffer.started
-    arrays = buffer.arrays()
-    names = list(started.other_reward_names)
-    order = sorted(range(len(names)), key=names.__getitem__)
-    duration = int(started.max_episode_duration)
+    meta, arrays = compact_content(buffer, finished)
     n_line = int(env.backend.n_line)
     n_attack = int(env._opponent_action_space.n)
     episode = CompactEpisodeData.__new__(CompactEpisodeData)
     episode.exp_dir = None
-    episode.array_names = (
-        "actions",
-        "env_actions",
-        "attacks",
-        "observations",
-        "rewards",
-        "other_rewards",
-        "disc_lines",
-        "times",
-        "legal",
-        "ambiguous",
-    )
+    episode.array_names = tuple(arrays)
     episode.space_names = (
         "observation_space",
         "action_space",
         "attack_space",
         "env_modification_space",
     )
-    episode.ep_id = started.name
-    episode.actions = arrays["actions"].astype(np.float16)
-    episode.env_actions = arrays["env_actions"]
-    episode.attacks = arrays["attacks"]
-    episode.observations = arrays["observations"]
-    episode.rewards = arrays["rewards"]
-    episode.other_reward_names = [names[i] for i in order]
-    episode.other_rewards = arrays["other_rewards"][:, order].astype(np.float32)
-    episode.disc_lines = arrays["disc_lines"]
-    episode.times = arrays["times"]
-    episode.legal = arrays["legal"]
-    episode.ambiguous = arrays["ambiguous"]
+    episode.ep_id = buffer.started.name
+    for name, array in arrays.items():
+        setattr(episode, name, array)
+    episode.other_reward_names = list(meta["other_reward_names"])
     episode.disc_lines_templ = np.full((1, n_line), fill_value=False, dtype=np.bool_)
     episode.attack_templ = np.full((1, n_attack), fill_value=0.0, dtype=np.float32)
     episode.n_cols = (
@@ -222,17 +175,5 @@ def compact_episode_data(
     episode.action_space = env.action_space
     episode.attack_space = env._opponent_action_space
     episode.env_modification_space = env._helper_action_env
-    episode.meta = {
-        "chronics_path": started.name,
-        "chronics_max_timestep": duration,
-        "game_over_timestep": duration,
-        "other_reward_names": list(episode.other_reward_names),
-        "grid_path": started.meta["grid_path"],
-        "backend_type": started.meta["backend_type"],
-        "env_type": started.meta["env_type"],
-        "env_seed": None if started.env_seed is None else int(started.env_seed),
-        "agent_seed": started.action_space_seed,
-        "nb_timestep_played": int(finished.nb_time_step),
-        "cumulative_reward": buffer.cum_reward64,
-    }
+    episode.meta = meta
     return episode

@@ -46,8 +46,7 @@ class CompactEpisodeWriter(_Writer):
         self.folder = os.path.join(self.path, COMPACT_FOLDER)
 
     def _capacity(self, started: EpisodeStarted) -> int:
-        duration = started.max_episode_duration
-        return duration if 0 < duration < _NO_LIMIT else 0
+        return compact_capacity(started)
 
     def _write_spaces(self, spaces: Mapping[str, Any]) -> None:
         self._write_json_once(self.folder, spaces, SPACE_FILES)
@@ -55,35 +54,7 @@ class CompactEpisodeWriter(_Writer):
     def _write_episode(self, buffer: _EpisodeBuffer, finished: EpisodeFinished) -> str:
         started = buffer.started
         os.makedirs(self.folder, exist_ok=True)
-        arrays = buffer.arrays()
-        names = list(started.other_reward_names)
-        order = sorted(range(len(names)), key=names.__getitem__)
-        duration = int(started.max_episode_duration)
-        meta = {
-            "chronics_path": started.name,
-            "chronics_max_timestep": duration,
-            "game_over_timestep": duration,
-            "other_reward_names": [names[i] for i in order],
-            "grid_path": started.meta["grid_path"],
-            "backend_type": started.meta["backend_type"],
-            "env_type": started.meta["env_type"],
-            "env_seed": None if started.env_seed is None else int(started.env_seed),
-            "agent_seed": started.action_space_seed,
-            "nb_timestep_played": int(finished.nb_time_step),
-            "cumulative_reward": buffer.cum_reward64,
-        }
-        data = {
-            "actions": arrays["actions"].astype(np.float16),
-            "env_actions": arrays["env_actions"],
-            "attacks": arrays["attacks"],
-            "observations": arrays["observations"],
-            "rewards": arrays["rewards"],
-            "other_rewards": arrays["other_rewards"][:, order].astype(np.float32),
-            "disc_lines": arrays["disc_lines"],
-            "times": arrays["times"],
-            "legal": arrays["legal"],
-            "ambiguous": arrays["ambiguous"],
-        }
+        meta, data = compact_content(buffer, finished)
         tmp_meta = self._new_tmp(self.folder, ".json.part")
         tmp_npz = self._new_tmp(self.folder, ".npz.part")
         try:
@@ -108,6 +79,49 @@ class CompactEpisodeWriter(_Writer):
                 os.unlink(meta_path)
                 continue
             return npz_path
+
+
+def compact_capacity(started: EpisodeStarted) -> int:
+    """Rows grid2op's CompactEpisodeData preallocates: the episode's maximum length, if any."""
+    duration = started.max_episode_duration
+    return duration if 0 < duration < _NO_LIMIT else 0
+
+
+def compact_content(
+    buffer: _EpisodeBuffer, finished: EpisodeFinished
+) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+    """A CompactEpisodeData's metadata and arrays, as grid2op's Runner makes them."""
+    started = buffer.started
+    arrays = buffer.arrays()
+    names = list(started.other_reward_names)
+    order = sorted(range(len(names)), key=names.__getitem__)
+    duration = int(started.max_episode_duration)
+    meta = {
+        "chronics_path": started.name,
+        "chronics_max_timestep": duration,
+        "game_over_timestep": duration,
+        "other_reward_names": [names[i] for i in order],
+        "grid_path": started.meta["grid_path"],
+        "backend_type": started.meta["backend_type"],
+        "env_type": started.meta["env_type"],
+        "env_seed": None if started.env_seed is None else int(started.env_seed),
+        "agent_seed": started.action_space_seed,
+        "nb_timestep_played": int(finished.nb_time_step),
+        "cumulative_reward": buffer.cum_reward64,
+    }
+    data = {
+        "actions": arrays["actions"].astype(np.float16),
+        "env_actions": arrays["env_actions"],
+        "attacks": arrays["attacks"],
+        "observations": arrays["observations"],
+        "rewards": arrays["rewards"],
+        "other_rewards": arrays["other_rewards"][:, order].astype(np.float32),
+        "disc_lines": arrays["disc_lines"],
+        "times": arrays["times"],
+        "legal": arrays["legal"],
+        "ambiguous": arrays["ambiguous"],
+    }
+    return meta, data
 
 
 def _place(tmp: str, target: str) -> bool:

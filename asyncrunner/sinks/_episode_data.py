@@ -169,26 +169,58 @@ class _EpisodeBuffer:
         return out
 
 
-class _Writer(Sink):
-    """What both episode writers share: buffering per episode attempt, writing off the loop."""
+class BufferingSink(Sink):
+    """Keeps each episode attempt's steps in an ``_EpisodeBuffer``; hands finished ones on.
+
+    A retried episode's new attempt replaces the old one's buffer; a failed one is dropped.
+    """
 
     needs_steps = True
+
+    def __init__(self) -> None:
+        self._open: dict[tuple[str, int], _EpisodeBuffer] = {}
+
+    def _capacity(self, started: EpisodeStarted) -> int:
+        return started.max_ts  # grid2op preallocates chronics_handler.max_timestep() rows
+
+    async def _finished(self, buffer: _EpisodeBuffer, finished: EpisodeFinished) -> None:
+        raise NotImplementedError
+
+    async def send(self, event: Event) -> None:
+        if isinstance(event, StepBatch):
+            buffer = self._open.get((event.run_id, event.index))
+            if buffer is not None and buffer.attempt == event.attempt:
+                buffer.add(event)
+        elif isinstance(event, EpisodeStarted):
+            self._open[(event.run_id, event.index)] = _EpisodeBuffer(event, self._capacity(event))
+        elif isinstance(event, EpisodeFinished | EpisodeFailed):
+            key = (event.run_id, event.index)
+            buffer = self._open.get(key)
+            if buffer is None or buffer.attempt != event.attempt:
+                return
+            del self._open[key]  # its memory goes once handed on
+            if isinstance(event, EpisodeFinished):
+                await self._finished(buffer, event)
+
+    async def aclose(self) -> None:
+        self._open.clear()
+
+
+class _Writer(BufferingSink):
+    """What both episode writers share: buffering per episode attempt, writing off the loop."""
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         path = os.path.abspath(os.fspath(path))
         if os.path.exists(path) and not os.path.isdir(path):
             raise ValueError(f"cannot save episodes in {path!r}: it exists and is not a folder")
+        super().__init__()
         self.path = path
         self.paths: dict[int, str] = {}
-        self._open: dict[tuple[str, int], _EpisodeBuffer] = {}
         self._reserved: set[str] = set()
         self._tmp: set[str] = set()
         self._lock = threading.Lock()
 
     # --- to implement -----------------------------------------------------------------------
-
-    def _capacity(self, started: EpisodeStarted) -> int:
-        return started.max_ts
 
     def _write_spaces(self, spaces: Mapping[str, Any]) -> None:
         raise NotImplementedError
@@ -198,35 +230,22 @@ class _Writer(Sink):
 
     # --- events -----------------------------------------------------------------------------
 
+    async def _finished(self, buffer: _EpisodeBuffer, finished: EpisodeFinished) -> None:
+        self.paths[finished.index] = await anyio.to_thread.run_sync(
+            self._write_episode, buffer, finished
+        )
+
     async def send(self, event: Event) -> None:
-        if isinstance(event, StepBatch):
-            buffer = self._open.get((event.run_id, event.index))
-            if buffer is not None and buffer.attempt == event.attempt:
-                buffer.add(event)
-        elif isinstance(event, EpisodeStarted):
-            self._open[(event.run_id, event.index)] = _EpisodeBuffer(event, self._capacity(event))
-        elif isinstance(event, EpisodeFinished):
-            key = (event.run_id, event.index)
-            buffer = self._open.get(key)
-            if buffer is None or buffer.attempt != event.attempt:
-                return
-            del self._open[key]  # its memory goes once written
-            self.paths[event.index] = await anyio.to_thread.run_sync(
-                self._write_episode, buffer, event
-            )
-        elif isinstance(event, EpisodeFailed):
-            key = (event.run_id, event.index)
-            buffer = self._open.get(key)
-            if buffer is not None and buffer.attempt == event.attempt:
-                del self._open[key]
-        elif isinstance(event, RunStarted):
+        if isinstance(event, RunStarted):
             self.paths = {}
             if event.spaces:
                 await anyio.to_thread.run_sync(self._write_spaces, event.spaces)
+        else:
+            await super().send(event)
 
     async def aclose(self) -> None:
         """Drop unfinished episodes and remove any work-in-progress left on disk."""
-        self._open.clear()
+        await super().aclose()
         with self._lock:
             leftovers = sorted(self._tmp)
         if leftovers:
