@@ -224,10 +224,7 @@ class Run:
                         group.append(requests.receive_nowait())
                     except (anyio.WouldBlock, anyio.EndOfStream):
                         break
-                if len(group) == 1:
-                    await self._play(request, channel)
-                else:
-                    await self._play_group(group, channel)
+                await self._play(group, channel)
 
     def _job(self, request: EpisodeRequest, attempt: int, channel: Channel) -> EpisodeJob:
         recipe_key, recipe = self.runner._recipe_for(request.mix)
@@ -249,11 +246,14 @@ class Run:
             mix=request.mix,
         )
 
-    async def _play_group(self, group: list[EpisodeRequest], channel: Channel) -> None:
-        """``_play`` for several episodes played at once by one worker (``envs_per_worker``).
+    async def _play(self, group: list[EpisodeRequest], channel: Channel) -> None:
+        """Play episodes in one worker call (several at once with ``envs_per_worker``) until
+        each has ended.
 
         A timeout or a dead worker ends every episode of the group still playing; those the
-        worker's death ended are retried together.
+        worker's death ended are retried together, each up to ``retries`` times. The timeout
+        clock starts at EpisodeStarted (see _collect): a fresh worker's start and env build do
+        not count against the episode.
         """
         attempts = dict.fromkeys((r.index for r in group), 1)
         while group:
@@ -264,7 +264,10 @@ class Run:
                 with anyio.CancelScope() as scope:
                     for key in keys:
                         self._watchdogs[key] = scope
-                    await self.runner._call(run_episodes, jobs)
+                    if len(jobs) == 1:  # the Dask executor knows this one
+                        await self.runner._call(run_episode, jobs[0])
+                    else:
+                        await self.runner._call(run_episodes, jobs)
                 if scope.cancelled_caught:
                     raise TimeoutError
             except TimeoutError:
@@ -300,43 +303,6 @@ class Run:
                 continue
             for terminal in terminals:
                 await terminal.wait()
-            return
-
-    async def _play(self, request: EpisodeRequest, channel: Channel) -> None:
-        for attempt in range(1, self.retries + 2):
-            job = self._job(request, attempt, channel)
-            key = (request.index, attempt)
-            terminal = self._terminal.setdefault(key, anyio.Event())
-            timeout = self.episode_timeout
-            try:
-                with anyio.CancelScope() as scope:
-                    # The clock starts at EpisodeStarted (see _collect): a fresh worker's start and
-                    # env build do not count against the episode.
-                    self._watchdogs[key] = scope
-                    await self.runner._call(run_episode, job)
-                if scope.cancelled_caught:
-                    raise TimeoutError
-            except TimeoutError:
-                await self._fail(
-                    channel,
-                    request,
-                    attempt,
-                    "EpisodeTimeout",
-                    f"the episode ran longer than episode_timeout={timeout}s; its worker was stopped",
-                    retrying=False,
-                )
-                return
-            except Exception as exc:
-                died = type(exc).__name__ in _WORKER_DIED
-                retrying = died and attempt <= self.retries
-                message = str(exc) or repr(exc)
-                if died:
-                    message = f"the worker process died ({message or 'no detail'})"
-                await self._fail(channel, request, attempt, type(exc).__name__, message, retrying)
-                if retrying:
-                    continue
-                return
-            await terminal.wait()
             return
 
     async def _fail(
