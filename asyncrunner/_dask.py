@@ -154,7 +154,9 @@ class DaskExecutor:
                     threads_per_worker=1,
                     processes=True,
                     host="127.0.0.1",
-                    dashboard_address=None,
+                    # Any free port: None still binds 8787 (dask/distributed#8136), which
+                    # another cluster may hold.
+                    dashboard_address=":0",
                 )
                 if asyncio:
                     self._cluster = await LocalCluster(asynchronous=True, **options)

@@ -47,7 +47,9 @@ def cluster() -> Iterator[Any]:
         threads_per_worker=1,
         processes=True,
         host="127.0.0.1",
-        dashboard_address=None,
+        # Any free port: None still binds 8787 (dask/distributed#8136), which
+        # another cluster may hold.
+        dashboard_address=":0",
     ) as c:
         yield c
 
