@@ -16,8 +16,10 @@ One invocation plays the same episodes (same chronics, env seeds and agent seeds
    with every sink ``asyncrunner.sinks`` provides (episode writers, a progress bar writing to
    ``os.devnull``, a ``LoggingSink`` at INFO into a ``NullHandler``, a ``CallbackSink``).
 
-Beside every AsyncRunner run a task sleeps 1 ms in a loop and records how late it wakes up: the
-event loop's lag, what a web app sharing the loop would feel. Since every contender plays the
+The AsyncRunner runs are then played again (a new runner, cold then warm) with a task beside
+them that sleeps 1 ms in a loop and records how late it wakes up: the event loop's lag, what a
+web app sharing the loop would feel. The timed runs have no ticker: its thousand wake-ups a
+second cost this process CPU that, on a machine with no spare core, the workers would lose. Since every contender plays the
 same episodes, a ratio of steps/s is also the ratio of episodes/s (and the inverse ratio of times).
 
 ``--json`` prints one JSON object instead of the table (times in seconds, memory in MiB, lags in
@@ -30,17 +32,17 @@ milliseconds; ``null`` where a figure was not measured, e.g. ``grid2op`` under `
   (``python``, ``grid2op``, ``lightsim2grid``, ``anyio``, ``asyncrunner``: str or null).
 - ``lag_probe``: ``enabled`` (``--lag-probe``, the default), ``tick_ms`` (1.0),
   ``cpu_us_per_wakeup`` (CPU this process spends per wake-up of the ticker, measured for 0.5 s
-  with nothing else running, before the AsyncRunner runs; null when disabled).
+  with nothing else running, before the lag pass; null when disabled).
 - ``bare_loop``, ``grid2op``: a *timing*: ``seconds``, ``episodes``, ``steps``, ``steps_per_s``,
   ``episodes_per_s``; ``grid2op`` also has ``nb_process``.
 - ``asyncrunner``: ``cold``, ``warm``, ``warm_no_sinks``, ``warm_all_sinks``: each a timing plus
-  ``loop_lag_ms`` (``p50``, ``p99``, ``max``, ``samples``: the 1 ms ticker's wake-up delays;
-  null under ``--no-lag-probe``); ``first_step_s`` (for each worker that played, seconds from
+  ``loop_lag_ms`` (``p50``, ``p99``, ``max``, ``samples``: the 1 ms ticker's wake-up delays
+  beside the same run in the lag pass; null under ``--no-lag-probe``); ``first_step_s`` (for each worker that played, seconds from
   the start, i.e. the runner's construction for ``cold`` and the ``run()`` call otherwise, to
   the parent receiving that worker's first ``EpisodeStarted``, in increasing order; null for
   ``warm_no_sinks``, which has no sink to tell) and ``first_step_max_s`` (the slowest worker);
-  ``parent_cpu_s`` (CPU time this process spent during the run, all its threads: the event
-  loop, the sinks' threads and the ticker) and ``parent_cpu_us_per_step`` (the same per step
+  ``parent_cpu_s`` (CPU time this process spent during the timed run, all its threads: the
+  event loop and the sinks' threads) and ``parent_cpu_us_per_step`` (the same per step
   played: what orchestrating and sinks cost this process, steadier than times on a busy
   machine; on a machine with no spare core it is taken from the workers).
   ``warm_all_sinks`` also has ``sinks`` (the class names attached).
@@ -192,8 +194,8 @@ def _build_parser() -> _Parser:
         action=argparse.BooleanOptionalAction,
         default=True,
         help=(
-            "run a 1 ms ticker beside the AsyncRunner runs to measure the event loop's lag "
-            "(default: on; its wake-ups cost this process some CPU: --no-lag-probe to compare)"
+            "play the AsyncRunner runs a second time beside a 1 ms ticker to measure the event "
+            "loop's lag (default: on; --no-lag-probe skips that second pass)"
         ),
     )
     parser.add_argument(
@@ -541,83 +543,87 @@ async def _asyncrunner_runs(
     results: dict[str, list[tuple[str, int, float]]],
     probe_info: dict[str, Any],
 ) -> None:
+
+    probe = _LagProbe()
+    # Two passes of the same runs: timed with nothing else in this process, then again with the
+    # ticker beside them for the loop's lag (its wake-ups take CPU the workers would use).
+    for lag_pass in (False, True) if probe_info["enabled"] else (False,):
+        with tempfile.TemporaryDirectory(prefix="asyncrunner-bench-") as tmp:
+            async with anyio.create_task_group() as ticker:
+                if lag_pass:
+                    ticker.start_soon(probe.tick)
+                    await anyio.sleep(0.05)  # running before anything is measured
+                    probe.begin()
+                    cpu = time.process_time()
+                    await anyio.sleep(_CALIBRATION)
+                    cpu = time.process_time() - cpu
+                    wakeups = probe.end()["samples"]
+                    probe_info["cpu_us_per_wakeup"] = cpu / wakeups * 1e6 if wakeups else None
+                await _runs(env, agent, plan, out, results, probe, lag_pass, tmp)
+                ticker.cancel_scope.cancel()
+
+
+async def _runs(
+    env: Any,
+    agent: Any,
+    plan: _Plan,
+    out: dict[str, Any],
+    results: dict[str, list[tuple[str, int, float]]],
+    probe: _LagProbe,
+    lag_pass: bool,
+    tmp: str,
+) -> None:
+    """The AsyncRunner runs, timed into ``out`` or (``lag_pass``) measuring the loop's lag."""
     from ._runner import AsyncRunner
     from .sinks import CallbackSink
 
-    probe = _LagProbe()
-    with tempfile.TemporaryDirectory(prefix="asyncrunner-bench-") as tmp:
-        async with anyio.create_task_group() as ticker:
-            if probe_info["enabled"]:
-                ticker.start_soon(probe.tick)
-                await anyio.sleep(0.05)  # running before anything is timed
-                probe.begin()
-                cpu = time.process_time()
-                await anyio.sleep(_CALIBRATION)
-                cpu = time.process_time() - cpu
-                wakeups = probe.end()["samples"]
-                probe_info["cpu_us_per_wakeup"] = cpu / wakeups * 1e6 if wakeups else None
+    async def measured(
+        name: str,
+        start: float,
+        run: Callable[..., Any],
+        *,
+        path_save: str | None,
+        sinks: Sequence[Any] | None = (),
+    ) -> None:
+        # sinks=None: no sink at all; else a first-step clock plus ``sinks``.
+        if not lag_pass:
+            _progress(f"AsyncRunner: {name.replace('_', ' ')}")
+        clock = _FirstSteps(start)
+        attached = [] if sinks is None else [CallbackSink(clock), *sinks]
+        probe.begin()
+        cpu = time.process_time()
+        played = await run(plan.nb_episode, path_save=path_save, sinks=attached, **plan.kwargs())
+        elapsed = time.perf_counter() - start
+        cpu = time.process_time() - cpu
+        lag = probe.end()
+        if lag_pass:
+            out[name]["loop_lag_ms"] = lag
+            return
+        results[name] = rows = _summary(played)
+        steps = sum(r[1] for r in rows)
+        extra: dict[str, Any] = {
+            **(clock.as_dict() if attached else dict.fromkeys(clock.as_dict())),
+            "parent_cpu_s": cpu,
+            "parent_cpu_us_per_step": cpu / steps * 1e6 if steps else None,
+        }
+        out[name] = {**_Timing(elapsed, len(rows), steps, extra).as_dict(), "loop_lag_ms": None}
 
-            async def timed(
-                name: str,
-                start: float,
-                run: Callable[..., Any],
-                *,
-                path_save: str | None,
-                sinks: Sequence[Any] | None = (),
-            ) -> None:
-                # sinks=None: no sink at all; else a first-step clock plus ``sinks``.
-                clock = _FirstSteps(start)
-                attached = [] if sinks is None else [CallbackSink(clock), *sinks]
-                cpu = time.process_time()
-                played = await run(
-                    plan.nb_episode, path_save=path_save, sinks=attached, **plan.kwargs()
-                )
-                elapsed = time.perf_counter() - start
-                cpu = time.process_time() - cpu
-                lag = probe.end()
-                results[name] = rows = _summary(played)
-                steps = sum(r[1] for r in rows)
-                extra: dict[str, Any] = {
-                    **(clock.as_dict() if attached else dict.fromkeys(clock.as_dict())),
-                    "parent_cpu_s": cpu,
-                    "parent_cpu_us_per_step": cpu / steps * 1e6 if steps else None,
-                }
-                timing = _Timing(elapsed, len(rows), steps, extra)
-                out[name] = {
-                    **timing.as_dict(),
-                    "loop_lag_ms": lag if probe_info["enabled"] else None,
-                }
-
-            _progress(f"AsyncRunner, workers={plan.workers}: cold run (pool start included)")
-            probe.begin()
-            start = time.perf_counter()
-            async with AsyncRunner(env, agent=agent, workers=plan.workers) as runner:
-                await timed("cold", start, runner.run, path_save=os.path.join(tmp, "cold"))
-
-                _progress("AsyncRunner: warm run (second run on the same runner)")
-                probe.begin()
-                await timed(
-                    "warm", time.perf_counter(), runner.run, path_save=os.path.join(tmp, "warm")
-                )
-
-                _progress("AsyncRunner: warm run with no sink at all")
-                probe.begin()
-                await timed(
-                    "warm_no_sinks", time.perf_counter(), runner.run, path_save=None, sinks=None
-                )
-
-                every, names = _every_sink(tmp)
-                _progress(f"AsyncRunner: warm run with every sink ({', '.join(names)})")
-                probe.begin()
-                await timed(
-                    "warm_all_sinks",
-                    time.perf_counter(),
-                    runner.run,
-                    path_save=os.path.join(tmp, "all"),
-                    sinks=every,
-                )
-                out["warm_all_sinks"]["sinks"] = names
-            ticker.cancel_scope.cancel()
+    if lag_pass:
+        _progress("AsyncRunner: the same runs again, with the 1 ms ticker beside them")
+    start = time.perf_counter()
+    async with AsyncRunner(env, agent=agent, workers=plan.workers) as runner:
+        await measured("cold", start, runner.run, path_save=os.path.join(tmp, "cold"))
+        await measured("warm", time.perf_counter(), runner.run, path_save=os.path.join(tmp, "warm"))
+        await measured("warm_no_sinks", time.perf_counter(), runner.run, path_save=None, sinks=None)
+        every, names = _every_sink(tmp)
+        await measured(
+            "warm_all_sinks",
+            time.perf_counter(),
+            runner.run,
+            path_save=os.path.join(tmp, "all"),
+            sinks=every,
+        )
+        out["warm_all_sinks"]["sinks"] = names
 
 
 def _every_sink(tmp: str) -> tuple[list[Any], list[str]]:
@@ -909,9 +915,9 @@ def _print_runs(report: dict[str, Any], width: int) -> None:
         print(f"{key.replace('_', ' '):{width}}  {lags:>25}  {firsts:>25}  {cpu:>15}")
     if probe["enabled"]:
         print(
-            f"(loop lag: how late a {probe['tick_ms']:g} ms sleep wakes up beside the run; each "
-            f"wake-up costs this process {_num(probe['cpu_us_per_wakeup'], '.0f')} µs of CPU, "
-            "counted in 'parent CPU')"
+            f"(loop lag: how late a {probe['tick_ms']:g} ms sleep wakes up beside the same runs "
+            f"played again; each wake-up costs this process "
+            f"{_num(probe['cpu_us_per_wakeup'], '.0f')} µs of CPU, kept out of the timed runs)"
         )
     print(
         "(first step: from the runner's construction for cold, from run() otherwise; "
