@@ -159,6 +159,13 @@ class Run:
         key = (event.index, event.attempt)
         if key in self._closed:
             return  # late frames of an attempt already ended (its worker died)
+        if isinstance(event, EpisodeFinished | EpisodeFailed) and event.index in self.results:
+            # The end of another attempt of an episode that has its result: one replayed because
+            # its worker died just after sending the first end, seen before that end arrived.
+            # The first result stands, told to the sinks once.
+            self._closed.add(key)
+            self._ended(key)
+            return
         if isinstance(event, EpisodeStarted):
             watchdog = self._watchdogs.get(key)
             if watchdog is not None and self.episode_timeout is not None:
@@ -203,9 +210,12 @@ class Run:
             return
         await emit(event)
         if key in self._closed:
-            if self._agent is not None:
-                self._agent.forget(key)
-            self._terminal.setdefault(key, anyio.Event()).set()
+            self._ended(key)
+
+    def _ended(self, key: tuple[int, int]) -> None:
+        if self._agent is not None:
+            self._agent.forget(key)
+        self._terminal.setdefault(key, anyio.Event()).set()
 
     async def _dispatch(
         self, requests: MemoryObjectReceiveStream[EpisodeRequest], channel: Channel

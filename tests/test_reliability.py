@@ -131,6 +131,40 @@ async def test_killed_worker_is_replaced_and_episode_retried(env: Any) -> None:
     await wait_no_children(before)
 
 
+async def test_a_replayed_episode_keeps_its_first_result() -> None:
+    # A worker that dies just after sending an episode's end can see that episode replayed (its
+    # death was noticed before the end arrived): the replay's end is dropped, counted once.
+    from typing import cast
+
+    from asyncrunner._events import EpisodeFinished
+    from asyncrunner._plan import EpisodeRequest
+    from asyncrunner._run import Run
+
+    requests = [EpisodeRequest(i, i, None, None, None, None, None) for i in range(2)]
+    run = Run(
+        cast(Any, None),
+        requests,
+        sinks=[],
+        on_error="continue",
+        retries=1,
+        episode_timeout=None,
+        detail=False,
+    )
+    emitted: list[Any] = []
+
+    async def emit(event: Any) -> None:
+        emitted.append(event)
+
+    def finished(attempt: int, reward: float) -> EpisodeFinished:
+        return EpisodeFinished(run.run_id, 0, attempt, "p", "0000", reward, 10, 10, 0, 0, 0, {})
+
+    await run._collect(finished(1, 1.0), emit)
+    await run._collect(finished(2, 2.0), emit)
+    assert emitted == [finished(1, 1.0)]
+    assert run.results[0].cum_reward == 1.0 and run._remaining == 1
+    assert run._terminal[(0, 2)].is_set()  # the replay's dispatcher is not left waiting
+
+
 async def test_worker_dying_every_time_is_reported_after_retries(env: Any) -> None:
     def kill_every_start(event: Any) -> None:
         if isinstance(event, EpisodeStarted) and event.index == 0:
