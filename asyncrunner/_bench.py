@@ -543,8 +543,68 @@ async def _asyncrunner_runs(
     results: dict[str, list[tuple[str, int, float]]],
     probe_info: dict[str, Any],
 ) -> None:
+    from ._runner import AsyncRunner
+    from .sinks import CallbackSink
 
     probe = _LagProbe()
+
+    async def runs(lag_pass: bool, tmp: str) -> None:
+        """The AsyncRunner runs, timed into ``out`` or (``lag_pass``) measuring the loop's lag."""
+
+        async def measured(
+            name: str,
+            start: float,
+            run: Callable[..., Any],
+            *,
+            path_save: str | None,
+            sinks: Sequence[Any] | None = (),
+        ) -> None:
+            # sinks=None: no sink at all; else a first-step clock plus ``sinks``.
+            if not lag_pass:
+                _progress(f"AsyncRunner: {name.replace('_', ' ')}")
+            clock = _FirstSteps(start)
+            attached = [] if sinks is None else [CallbackSink(clock), *sinks]
+            probe.begin()
+            cpu = time.process_time()
+            played = await run(
+                plan.nb_episode, path_save=path_save, sinks=attached, **plan.kwargs()
+            )
+            elapsed = time.perf_counter() - start
+            cpu = time.process_time() - cpu
+            lag = probe.end()
+            if lag_pass:
+                out[name]["loop_lag_ms"] = lag
+                return
+            results[name] = rows = _summary(played)
+            steps = sum(r[1] for r in rows)
+            extra: dict[str, Any] = {
+                **(clock.as_dict() if attached else dict.fromkeys(clock.as_dict())),
+                "parent_cpu_s": cpu,
+                "parent_cpu_us_per_step": cpu / steps * 1e6 if steps else None,
+            }
+            out[name] = {**_Timing(elapsed, len(rows), steps, extra).as_dict(), "loop_lag_ms": None}
+
+        if lag_pass:
+            _progress("AsyncRunner: the same runs again, with the 1 ms ticker beside them")
+        start = time.perf_counter()
+        async with AsyncRunner(env, agent=agent, workers=plan.workers) as runner:
+            await measured("cold", start, runner.run, path_save=os.path.join(tmp, "cold"))
+            await measured(
+                "warm", time.perf_counter(), runner.run, path_save=os.path.join(tmp, "warm")
+            )
+            await measured(
+                "warm_no_sinks", time.perf_counter(), runner.run, path_save=None, sinks=None
+            )
+            every, names = _every_sink(tmp)
+            await measured(
+                "warm_all_sinks",
+                time.perf_counter(),
+                runner.run,
+                path_save=os.path.join(tmp, "all"),
+                sinks=every,
+            )
+            out["warm_all_sinks"]["sinks"] = names
+
     # Two passes of the same runs: timed with nothing else in this process, then again with the
     # ticker beside them for the loop's lag (its wake-ups take CPU the workers would use).
     for lag_pass in (False, True) if probe_info["enabled"] else (False,):
@@ -559,71 +619,8 @@ async def _asyncrunner_runs(
                     cpu = time.process_time() - cpu
                     wakeups = probe.end()["samples"]
                     probe_info["cpu_us_per_wakeup"] = cpu / wakeups * 1e6 if wakeups else None
-                await _runs(env, agent, plan, out, results, probe, lag_pass, tmp)
+                await runs(lag_pass, tmp)
                 ticker.cancel_scope.cancel()
-
-
-async def _runs(
-    env: Any,
-    agent: Any,
-    plan: _Plan,
-    out: dict[str, Any],
-    results: dict[str, list[tuple[str, int, float]]],
-    probe: _LagProbe,
-    lag_pass: bool,
-    tmp: str,
-) -> None:
-    """The AsyncRunner runs, timed into ``out`` or (``lag_pass``) measuring the loop's lag."""
-    from ._runner import AsyncRunner
-    from .sinks import CallbackSink
-
-    async def measured(
-        name: str,
-        start: float,
-        run: Callable[..., Any],
-        *,
-        path_save: str | None,
-        sinks: Sequence[Any] | None = (),
-    ) -> None:
-        # sinks=None: no sink at all; else a first-step clock plus ``sinks``.
-        if not lag_pass:
-            _progress(f"AsyncRunner: {name.replace('_', ' ')}")
-        clock = _FirstSteps(start)
-        attached = [] if sinks is None else [CallbackSink(clock), *sinks]
-        probe.begin()
-        cpu = time.process_time()
-        played = await run(plan.nb_episode, path_save=path_save, sinks=attached, **plan.kwargs())
-        elapsed = time.perf_counter() - start
-        cpu = time.process_time() - cpu
-        lag = probe.end()
-        if lag_pass:
-            out[name]["loop_lag_ms"] = lag
-            return
-        results[name] = rows = _summary(played)
-        steps = sum(r[1] for r in rows)
-        extra: dict[str, Any] = {
-            **(clock.as_dict() if attached else dict.fromkeys(clock.as_dict())),
-            "parent_cpu_s": cpu,
-            "parent_cpu_us_per_step": cpu / steps * 1e6 if steps else None,
-        }
-        out[name] = {**_Timing(elapsed, len(rows), steps, extra).as_dict(), "loop_lag_ms": None}
-
-    if lag_pass:
-        _progress("AsyncRunner: the same runs again, with the 1 ms ticker beside them")
-    start = time.perf_counter()
-    async with AsyncRunner(env, agent=agent, workers=plan.workers) as runner:
-        await measured("cold", start, runner.run, path_save=os.path.join(tmp, "cold"))
-        await measured("warm", time.perf_counter(), runner.run, path_save=os.path.join(tmp, "warm"))
-        await measured("warm_no_sinks", time.perf_counter(), runner.run, path_save=None, sinks=None)
-        every, names = _every_sink(tmp)
-        await measured(
-            "warm_all_sinks",
-            time.perf_counter(),
-            runner.run,
-            path_save=os.path.join(tmp, "all"),
-            sinks=every,
-        )
-        out["warm_all_sinks"]["sinks"] = names
 
 
 def _every_sink(tmp: str) -> tuple[list[Any], list[str]]:
