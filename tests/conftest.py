@@ -16,6 +16,24 @@ except ImportError:  # pragma: no cover - lightsim is in the test extra
     LightSimBackend = None
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--run-slow",
+        action="store_true",
+        help="also run the slow tier (marked slow: subprocesses, notebook, browser, Dask, soak, ...)",
+    )
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # The fast tier (the default) leaves the slow tests out; --run-slow runs everything.
+    if config.getoption("--run-slow"):
+        return
+    slow = [item for item in items if item.get_closest_marker("slow") is not None]
+    if slow:
+        config.hook.pytest_deselected(items=slow)
+        items[:] = [item for item in items if item.get_closest_marker("slow") is None]
+
+
 @pytest.fixture(params=["asyncio", "trio"])
 def anyio_backend(request: pytest.FixtureRequest) -> str:
     return str(request.param)
