@@ -1,7 +1,9 @@
 """The ``asyncrunner`` command line: ``asyncrunner run`` plays episodes and prints their results.
 
 Exit status: 0 when every episode was played, 1 when one failed, 2 for bad arguments, 130 when
-interrupted. Bad arguments print one line and a hint, never a traceback.
+interrupted. Bad arguments print one line and a hint, never a traceback, before any env is built.
+A failed episode's traceback goes to stderr; an interrupted run prints what finished and the
+command that resumes it.
 """
 
 from __future__ import annotations
@@ -11,13 +13,16 @@ import asyncio
 import importlib
 import importlib.util
 import os
+import shlex
+import socket
 import sys
 import time
 import warnings
 from collections.abc import Sequence
+from dataclasses import replace as _replace
 from typing import Any, NoReturn
 
-from ._events import EpisodeFailed, EpisodeStarted, Event
+from ._events import EpisodeFailed, EpisodeFinished, EpisodeStarted, Event, RunStarted
 from ._exceptions import EpisodeError
 from ._results import EpisodeResult
 from .sinks import Sink
@@ -167,12 +172,20 @@ def _build_parser() -> tuple[_Parser, _Parser]:
         help="save each episode in grid2op's EpisodeData format under DIR (default: save nothing)",
     )
     run.add_argument(
+        "--resume",
+        action="store_true",
+        help=(
+            "with --save: skip the episodes already saved complete in DIR (same chronic, seeds "
+            "and --max-iter) and play only the missing ones"
+        ),
+    )
+    run.add_argument(
         "--on-error",
         choices=("raise", "continue"),
         default="raise",
         help=(
             "raise: stop at the first failed episode (default); continue: play every episode "
-            "and report failures in the table"
+            "and report failures in the table (tracebacks on stderr)"
         ),
     )
     run.add_argument(
@@ -214,7 +227,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command is None:
         parser.error("choose a command: run, show")
     try:
-        return _run_command(args, run_parser)
+        return _run_command(args, run_parser, args_list)
     except KeyboardInterrupt:
         print("asyncrunner: interrupted", file=sys.stderr)
         return 130
@@ -223,7 +236,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 # --- run ---------------------------------------------------------------------------------------
 
 
-def _run_command(args: argparse.Namespace, parser: _Parser) -> int:
+def _run_command(args: argparse.Namespace, parser: _Parser, argv: list[str]) -> int:
     for message in _QUIET:
         warnings.filterwarnings("ignore", message=message)
     try:
@@ -231,33 +244,115 @@ def _run_command(args: argparse.Namespace, parser: _Parser) -> int:
     except _UsageError as exc:
         parser.error(str(exc))
     try:
-        results, failure, elapsed, startup = asyncio.run(settings.play())
-    finally:
-        settings.env.close()
+        if args.save is not None and not args.resume:
+            _note_earlier_run(args.save)
+        try:
+            results, elapsed, startup = asyncio.run(settings.play())
+        finally:
+            settings.env.close()
+    except KeyboardInterrupt:
+        _report_interrupt(settings, args, argv)
+        return 130
     _print_table(results, seeded=args.seed is not None)
-    steps = sum(r.nb_time_step for r in results)
-    failed = sum(1 for r in results if r.error is not None)
-    played = len(results) - failed
+    failed = [r for r in results if r.error is not None]
+    # With --resume, what was read back from disk rather than played.
+    saved = [r for r in results if r.error is None and r.index not in settings.tracker.started]
+    steps = sum(r.nb_time_step for r in results if r not in saved)
+    played = len(results) - len(failed) - len(saved)
     busy = elapsed - startup
     rate = f", {steps / busy:.0f} steps/s after {startup:.1f} s of startup" if busy > 0 else ""
+    earlier = f", {len(saved)} already saved in {args.save}" if args.resume else ""
     print(
-        f"{played}/{settings.nb_episode} episodes played, {failed} failed, "
+        f"{played}/{settings.nb_episode} episodes played{earlier}, {len(failed)} failed, "
         f"{steps} steps in {elapsed:.1f} s{rate}"
     )
-    if failure is not None:
+    for r in failed:
+        assert r.error is not None
         # The episode's own traceback (the agent's or env's code): what the user needs to fix.
-        print(f"asyncrunner: {failure}", file=sys.stderr)
+        error = r.error
+        where = f" ({r.name})" if r.name else ""
+        print(
+            f"asyncrunner: episode {r.index}{where} failed after {error.step} steps: "
+            f"{error.error_type}: {error.message}",
+            file=sys.stderr,
+        )
+        if error.traceback:
+            print(error.traceback.rstrip(), file=sys.stderr)
     return 1 if failed else 0
+
+
+def _note_earlier_run(save: str) -> None:
+    """Say when ``--save`` adds to a folder that already holds saved episodes."""
+    from ._show import episode_dirs
+
+    root = os.path.abspath(save)
+    earlier = episode_dirs(root) if os.path.isdir(root) else []
+    if earlier:
+        print(
+            f"asyncrunner: {save} already holds {len(earlier)} saved episodes of an earlier run; "
+            "this run saves its own beside them (a chronic already there goes to <name>_1, ...). "
+            "`asyncrunner show` tells the runs apart; --resume would play only the missing ones.",
+            file=sys.stderr,
+        )
+
+
+def _report_interrupt(settings: _Settings, args: argparse.Namespace, argv: list[str]) -> None:
+    """After Ctrl-C: what finished, where it is saved, and the command that plays the rest."""
+    tracker = settings.tracker
+    done = [tracker.finished[i] for i in sorted(tracker.finished)]
+    if args.save is not None:
+        from .sinks._episode_data import completed_episodes
+
+        # What is really on disk: an episode that finished as the run was cancelled may not be.
+        on_disk = {
+            record.get("index"): folder
+            for folder, record in completed_episodes(args.save)
+            if record.get("run_id") == tracker.run_id
+        }
+        done = [_replace(r, path=on_disk.get(r.index)) for r in done]
+    if done:
+        _print_table(done, seeded=args.seed is not None)
+    print(
+        f"asyncrunner: interrupted; {len(done)}/{settings.nb_episode} episodes finished",
+        file=sys.stderr,
+    )
+    if args.save is None:
+        print(
+            "asyncrunner: nothing was saved; run with --save DIR to keep finished episodes and "
+            "resume later",
+            file=sys.stderr,
+        )
+        return
+    saved = [os.path.basename(r.path) for r in done if r.path is not None]
+    print(
+        f"asyncrunner: {len(saved)} saved in {args.save}"
+        + (f": {', '.join(saved)}" if saved else ""),
+        file=sys.stderr,
+    )
+    resume = argv if args.resume else [*argv, "--resume"]
+    print(f"asyncrunner: resume with: asyncrunner {shlex.join(resume)}", file=sys.stderr)
 
 
 class _Settings:
     """What ``run`` will do, checked and built before any worker starts."""
 
     def __init__(self, args: argparse.Namespace) -> None:
-        from ._plan import chronic_names, plan_episodes
+        from ._plan import check_path_save, chronic_names, plan_episodes
         from ._runner import AsyncRunner
 
+        # Everything that can be checked without the env first: building it takes seconds.
+        if args.resume and args.save is None:
+            raise _UsageError("--resume needs --save DIR: the folder of the run to resume")
+        if args.scheduler is not None and args.dask_local is not None:
+            raise _UsageError("choose one of --scheduler and --dask-local")
         agent = _load_agent(args.agent)
+        if args.save is not None:
+            try:
+                check_path_save(args.save)
+            except (ValueError, TypeError) as exc:
+                raise _UsageError(str(exc).replace("`path_save`", "--save")) from None
+        if args.scheduler is not None:
+            _check_scheduler(args.scheduler)
         self.env = _make_env(args.env, test=args.test, backend=args.backend)
         try:
             names = chronic_names(self.env)
@@ -280,6 +375,8 @@ class _Settings:
                 "env_seeds": env_seeds,
                 "agent_seeds": agent_seeds,
                 "on_error": args.on_error,
+                "path_save": args.save,
+                "resume": args.resume,
             }
             # Reject bad episode ids, seeds and counts now, with the env at hand.
             plan_episodes(
@@ -292,18 +389,10 @@ class _Settings:
             )
             # Progress bars by default only where someone watches them.
             self.kwargs["pbar"] = sys.stderr.isatty() if args.pbar is None else args.pbar
-            self.clock = _FirstEpisodeClock()
-            self.sinks: list[Sink] = [self.clock]
-            if args.save is not None:
-                # What path_save= adds, built here so an unusable folder is reported up front.
-                from .sinks import EpisodeDataWriter
-
-                self.sinks.append(EpisodeDataWriter(args.save))
+            self.tracker = _Tracker()
             executor = None
             workers = args.workers
             if args.scheduler is not None or args.dask_local is not None:
-                if args.scheduler is not None and args.dask_local is not None:
-                    raise ValueError("choose one of --scheduler and --dask-local")
                 try:
                     from ._dask import DaskExecutor
 
@@ -321,50 +410,71 @@ class _Settings:
             self.env.close()
             raise
 
-    async def play(self) -> tuple[list[EpisodeResult], Exception | None, float, float]:
-        """Results, the failure under ``--on-error raise``, wall time, time to the first episode."""
-        clock = self.clock
-        clock.start = time.perf_counter()
-        failure: Exception | None = None
+    async def play(self) -> tuple[list[EpisodeResult], float, float]:
+        """Results (under ``--on-error raise``: what finished and the failure), wall time, time
+        to the first episode."""
+        tracker = self.tracker
+        tracker.start = time.perf_counter()
         async with self.runner as runner:
             try:
-                results = await runner.run(self.nb_episode, sinks=self.sinks, **self.kwargs)
+                results = await runner.run(self.nb_episode, sinks=[tracker], **self.kwargs)
             except EpisodeError as exc:
                 # What finished, plus the failed episode; the rest was cancelled.
-                failed = _failed_result(exc.failure, self.kwargs)
-                results, failure = sorted([*exc.results, failed], key=lambda r: r.index), exc
+                failed = tracker.failed_result(exc.failure, self.kwargs)
+                results = sorted([*exc.results, failed], key=lambda r: r.index)
         end = time.perf_counter()
-        first = clock.first if clock.first is not None else end
-        return results, failure, end - clock.start, first - clock.start
+        first = tracker.first if tracker.first is not None else end
+        return results, end - tracker.start, first - tracker.start
 
 
-def _failed_result(failure: EpisodeFailed, kwargs: dict[str, Any]) -> EpisodeResult:
-    seeds = [kwargs[k][failure.index] if kwargs[k] else None for k in ("env_seeds", "agent_seeds")]
-    return EpisodeResult(
-        index=failure.index,
-        chronics_path=None,
-        name=None,
-        cum_reward=0.0,
-        nb_time_step=failure.step,
-        max_ts=0,
-        env_seed=seeds[0],
-        agent_seed=seeds[1],
-        error=failure,
-    )
-
-
-class _FirstEpisodeClock(Sink):
-    """Notes when the first episode starts: the time before it is workers starting up."""
+class _Tracker(Sink):
+    """What the run did so far: the time before the first episode is workers starting up; what
+    started and finished is what an interrupted run reports."""
 
     needs_steps = False
 
     def __init__(self) -> None:
         self.start = time.perf_counter()
         self.first: float | None = None
+        self.run_id: str | None = None
+        self.started: dict[int, EpisodeStarted] = {}
+        self.finished: dict[int, EpisodeResult] = {}
 
     async def send(self, event: Event) -> None:
-        if self.first is None and isinstance(event, EpisodeStarted):
-            self.first = time.perf_counter()
+        if isinstance(event, RunStarted):
+            self.run_id = event.run_id
+        elif isinstance(event, EpisodeStarted):
+            if self.first is None:
+                self.first = time.perf_counter()
+            self.started[event.index] = event
+        elif isinstance(event, EpisodeFinished):
+            self.finished[event.index] = EpisodeResult(
+                index=event.index,
+                chronics_path=event.chronics_path,
+                name=event.name,
+                cum_reward=event.cum_reward,
+                nb_time_step=event.nb_time_step,
+                max_ts=event.max_ts,
+                env_seed=event.env_seed,
+                agent_seed=event.agent_seed,
+            )
+
+    def failed_result(self, failure: EpisodeFailed, kwargs: dict[str, Any]) -> EpisodeResult:
+        started = self.started.get(failure.index)
+        seeds = [
+            kwargs[k][failure.index] if kwargs[k] else None for k in ("env_seeds", "agent_seeds")
+        ]
+        return EpisodeResult(
+            index=failure.index,
+            chronics_path=None if started is None else started.chronics_path,
+            name=None if started is None else started.name,
+            cum_reward=0.0,
+            nb_time_step=failure.step,
+            max_ts=0 if started is None else started.max_ts,
+            env_seed=seeds[0],
+            agent_seed=seeds[1],
+            error=failure,
+        )
 
 
 def _derive_seeds(seed: int | None, nb: int) -> tuple[list[int] | None, list[int] | None]:
@@ -390,7 +500,7 @@ def _episode_id(text: str, names: list[str] | None) -> int | str:
 
 def _load_agent(spec: str) -> Any:
     """``module:Name``, ``path/to/file.py:Name``, or a name from ``grid2op.Agent``."""
-    from grid2op.Agent import BaseAgent
+    from ._runner import _agent_recipe
 
     if ":" not in spec:
         import grid2op.Agent
@@ -411,15 +521,10 @@ def _load_agent(spec: str) -> Any:
             agent = getattr(agent, part, None)
             if agent is None:
                 raise _UsageError(f"--agent {spec!r}: {where} has no attribute {attr!r}")
-    if isinstance(agent, type) and not issubclass(agent, BaseAgent):
-        raise _UsageError(
-            f"--agent {spec!r}: {agent.__qualname__} is not a grid2op BaseAgent subclass"
-        )
-    if not callable(agent) and not isinstance(agent, BaseAgent):
-        raise _UsageError(
-            f"--agent {spec!r}: expected a BaseAgent subclass, instance or factory, "
-            f"got {type(agent).__name__}"
-        )
+    try:
+        _agent_recipe(agent)  # the runner's own checks (a BaseAgent subclass, not abstract, ...)
+    except TypeError as exc:
+        raise _UsageError(f"--agent {spec!r}: {exc}") from None
     return agent
 
 
@@ -431,7 +536,9 @@ def _import_module(name: str) -> Any:
     except ModuleNotFoundError as exc:
         if exc.name is not None and (name == exc.name or name.startswith(exc.name + ".")):
             raise _UsageError(f"--agent: no module named {name!r}") from None
-        raise
+        raise _UsageError(f"--agent: importing {name!r} failed: {_import_error(exc)}") from None
+    except Exception as exc:
+        raise _UsageError(f"--agent: importing {name!r} failed: {_import_error(exc)}") from None
 
 
 def _import_file(path: str) -> Any:
@@ -447,7 +554,74 @@ def _import_file(path: str) -> Any:
         )
     # Workers import the agent's module by name (pickle), and receive our sys.path when they start.
     sys.path.insert(0, folder)
-    return importlib.import_module(stem)
+    try:
+        return importlib.import_module(stem)
+    except Exception as exc:
+        raise _UsageError(f"--agent: importing {path!r} failed: {_import_error(exc)}") from None
+
+
+def _import_error(exc: Exception) -> str:
+    """One line for an error raised while importing the agent's code, with where it happened."""
+    import traceback
+
+    if isinstance(exc, SyntaxError):
+        return f"SyntaxError: {exc.msg} ({exc.filename}, line {exc.lineno})"
+    where = ""
+    frames = traceback.extract_tb(exc.__traceback__)
+    if frames:
+        last = frames[-1]
+        where = f" ({last.filename}, line {last.lineno})"
+    return f"{type(exc).__name__}: {exc}{where}"
+
+
+def _check_scheduler(address: str) -> None:
+    """Fail fast when nothing listens at a TCP scheduler address (Dask would wait for minutes)."""
+    scheme, _, rest = address.rpartition("://")
+    if scheme not in ("", "tcp"):
+        return  # tls://, ws://, ...: left to Dask
+    host, sep, port = rest.rpartition(":")
+    if not sep:
+        host, port = rest, "8786"
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=5):
+            pass
+    except (OSError, ValueError) as exc:
+        reason = getattr(exc, "strerror", None) or str(exc) or type(exc).__name__
+        raise _UsageError(
+            f"--scheduler {address}: no Dask scheduler reachable there ({reason}); start one "
+            "with `dask scheduler`, or use --dask-local N"
+        ) from None
+
+
+def _check_env_name(name: str, test: bool) -> None:
+    """Reject a name grid2op does not know offline, before grid2op tries to download it
+    (about 20 s of retries without a network), and suggest the closest known name."""
+    import difflib
+
+    import grid2op
+
+    if os.path.exists(name):
+        return
+    if os.sep in name or (os.altsep is not None and os.altsep in name):
+        raise _UsageError(f"no env folder {name!r}: give an env name or an existing folder")
+    tests = sorted(grid2op.list_available_test_env())
+    local_dir = grid2op.get_current_local_dir()
+    local = []
+    if os.path.isdir(local_dir):
+        local = sorted(
+            e for e in os.listdir(local_dir) if os.path.isdir(os.path.join(local_dir, e))
+        )
+    known = tests if test else sorted({*tests, *local})
+    if name in known:
+        return
+    close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
+    hint = f"did you mean {close[0]!r}? " if close else ""
+    if test:
+        raise _UsageError(f"unknown env {name!r}: {hint}(--test knows grid2op's test envs)")
+    raise _UsageError(
+        f"unknown env {name!r}: {hint}(known offline: grid2op's test envs and the folders in "
+        f"{local_dir}; to download another grid2op dataset, run grid2op.make({name!r}) once)"
+    )
 
 
 def _make_env(name: str, *, test: bool | None, backend: str | None) -> Any:
@@ -459,6 +633,7 @@ def _make_env(name: str, *, test: bool | None, backend: str | None) -> Any:
 
         if test is None:
             test = name == DEFAULT_ENV
+        _check_env_name(name, test)
         kwargs: dict[str, Any] = {"test": test}
         backend_obj = _backend(backend)
         if backend_obj is not None:

@@ -29,7 +29,7 @@ class EpisodeError(AsyncRunnerError):
 
     def __init__(self, failure: EpisodeFailed, results: list[EpisodeResult]) -> None:
         super().__init__(
-            f"episode {failure.index} failed at step {failure.step}: "
+            f"episode {failure.index} failed after {failure.step} steps: "
             f"{failure.error_type}: {failure.message}\n{failure.traceback}"
         )
         self.failure = failure

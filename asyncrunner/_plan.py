@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -167,16 +168,34 @@ def _check_id(ep_id: Any, names: list[str] | None) -> int | str:
 
 
 def check_path_save(path: str | os.PathLike[str]) -> str:
-    """Make sure episodes can be saved under ``path`` (created if missing); return it absolute."""
+    """Make sure episodes can be saved under ``path`` (created if missing); return it absolute.
+
+    Writability is tried, not asked: ``os.access`` says yes for root everywhere, and for
+    folders such as ``/proc`` or ``/sys`` where nothing can be created.
+    """
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(
+            f"`path_save` must be a folder path (str or os.PathLike), got {type(path).__name__} "
+            f"{path!r}"
+        )
     folder = os.path.abspath(os.fspath(path))
     if os.path.exists(folder) and not os.path.isdir(folder):
         raise ValueError(f"`path_save` {folder!r} is a file: give a folder to save episodes in")
+    ancestor = folder
+    while not os.path.exists(ancestor):
+        ancestor = os.path.dirname(ancestor)
+    if not os.path.isdir(ancestor):
+        raise ValueError(
+            f"`path_save` {folder!r} cannot be created: {ancestor!r} is a file, not a folder"
+        )
     try:
         os.makedirs(folder, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".asyncrunner-probe-", dir=folder)
+        os.close(fd)
+        os.unlink(probe)
     except OSError as exc:
+        what = "is not writable" if ancestor == folder else "cannot be created"
         raise ValueError(
-            f"`path_save` {folder!r} cannot be created ({exc.strerror}): give a writable folder"
+            f"`path_save` {folder!r} {what} ({exc.strerror or exc}): give a folder you can write to"
         ) from None
-    if not os.access(folder, os.W_OK | os.X_OK):
-        raise ValueError(f"`path_save` {folder!r} is not writable: give a writable folder")
     return folder

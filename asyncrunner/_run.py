@@ -81,6 +81,8 @@ class Run:
         self._terminal: dict[tuple[int, int], anyio.Event] = {}
         self._closed: set[tuple[int, int]] = set()
         self._last_step: dict[int, int] = {}
+        # Each episode's last start: a failed episode's result names its chronic and length.
+        self._started: dict[int, EpisodeStarted] = {}
         self._watchdogs: dict[tuple[int, int], anyio.CancelScope] = {}
         self._remaining = len(self.requests)
         self._agent: Any = None  # the CentralAgent's server during execute, if any
@@ -167,6 +169,7 @@ class Run:
             self._ended(key)
             return
         if isinstance(event, EpisodeStarted):
+            self._started[event.index] = event
             watchdog = self._watchdogs.get(key)
             if watchdog is not None and self.episode_timeout is not None:
                 watchdog.deadline = anyio.current_time() + self.episode_timeout
@@ -191,13 +194,14 @@ class Run:
             self._closed.add(key)
             if not event.retrying:
                 request = self._by_index[event.index]
+                started = self._started.get(event.index)
                 self.results[event.index] = EpisodeResult(
                     index=event.index,
-                    chronics_path=None,
-                    name=None,
+                    chronics_path=None if started is None else started.chronics_path,
+                    name=None if started is None else started.name,
                     cum_reward=0.0,
                     nb_time_step=event.step,
-                    max_ts=0,
+                    max_ts=0 if started is None else started.max_ts,
                     env_seed=request.env_seed,
                     agent_seed=request.agent_seed,
                     error=event,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import hashlib
+import inspect
 import os
 import pickle
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -54,6 +55,13 @@ def _agent_recipe(agent: Any) -> tuple[str, Any]:
             raise TypeError(
                 f"agent class {agent.__qualname__} is not a grid2op BaseAgent subclass: "
                 "derive it from grid2op.Agent.BaseAgent, or pass a factory (action_space) -> agent"
+            )
+        if inspect.isabstract(agent):
+            # It would be built, and fail, in every episode.
+            missing = ", ".join(sorted(getattr(agent, "__abstractmethods__", ())))
+            raise TypeError(
+                f"agent class {agent.__qualname__} is abstract (it does not define {missing}): "
+                "pass a concrete agent such as DoNothingAgent, or a subclass that defines it"
             )
         return "class", agent
     if isinstance(agent, BaseAgent):

@@ -1,12 +1,18 @@
 """``asyncrunner show DIR``: summarise a saved run (grid2op EpisodeData folders, ours or grid2op
 Runner's): per episode the chronic, steps played / max, cumulative reward, agent time and whether
-it ended in a game over; ``--plot FILE.png`` draws survival and cumulative reward over time."""
+it ended in a game over; ``--plot FILE.png`` draws survival and cumulative reward over time.
+
+Episodes saved by different runs in the same folder (a re-run adds ``<chronic>_1``, ...) are told
+apart by the run id asyncrunner records in each episode folder (``asyncrunner.json``): the table
+groups them by run, with a summary line per run."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,7 +20,10 @@ from typing import Any, NoReturn
 
 import numpy as np
 
-__all__ = ["EpisodeSummary", "main", "read_run"]
+__all__ = ["EpisodeSummary", "episode_dirs", "figure", "main", "read_run"]
+
+# asyncrunner's record in each episode folder it saves (sinks._episode_data.RECORD_FILE).
+_RECORD_FILE = "asyncrunner.json"
 
 
 @dataclass(frozen=True)
@@ -27,6 +36,8 @@ class EpisodeSummary:
     max_steps: int
     cum_reward: float
     agent_time: float | None
+    run: str | None = None  # the run that saved it (None: not saved by asyncrunner)
+    index: int | None = None  # its index in that run's request
 
     @property
     def game_over(self) -> bool:
@@ -56,7 +67,9 @@ def _parser() -> _Parser:
     return parser
 
 
-def _episode_dirs(root: Path) -> list[Path]:
+def episode_dirs(root: str | Path) -> list[Path]:
+    """The complete episode folders directly under ``root`` (those with an episode_meta.json)."""
+    root = Path(root)
     return sorted(
         p
         for p in root.iterdir()
@@ -70,9 +83,11 @@ def _read_json(path: Path) -> Any:
 
 
 def read_run(root: Path) -> list[EpisodeSummary]:
-    """The summaries of the complete episode folders directly under ``root``."""
+    """The summaries of the complete episode folders directly under ``root``, run by run
+    (earliest run first), each run in request order."""
     out = []
-    for folder in _episode_dirs(root):
+    saved_at: dict[str | None, float] = {}
+    for folder in episode_dirs(root):
         meta = _read_json(folder / "episode_meta.json")
         agent_time: float | None = None
         times_file = folder / "episode_times.json"
@@ -81,6 +96,13 @@ def read_run(root: Path) -> list[EpisodeSummary]:
             if isinstance(agent, dict) and agent.get("total") is not None:
                 agent_time = float(agent["total"])
         chronics_path = str(meta.get("chronics_path") or folder.name)
+        record: dict[str, Any] = {}
+        if (folder / _RECORD_FILE).is_file():
+            record = _read_json(folder / _RECORD_FILE)
+        run = record.get("run_id")
+        index = record.get("index")
+        mtime = (folder / "episode_meta.json").stat().st_mtime
+        saved_at[run] = min(saved_at.get(run, mtime), mtime)
         out.append(
             EpisodeSummary(
                 folder=folder.name,
@@ -89,8 +111,13 @@ def read_run(root: Path) -> list[EpisodeSummary]:
                 max_steps=int(meta["chronics_max_timestep"]),
                 cum_reward=float(meta["cumulative_reward"]),
                 agent_time=agent_time,
+                run=None if run is None else str(run),
+                index=index if isinstance(index, int) else None,
             )
         )
+    out.sort(
+        key=lambda e: (saved_at[e.run], str(e.run), -1 if e.index is None else e.index, e.folder)
+    )
     return out
 
 
@@ -101,49 +128,110 @@ def _rewards(root: Path, summary: EpisodeSummary) -> np.ndarray:
     return clean
 
 
+def _runs(episodes: Sequence[EpisodeSummary]) -> list[str | None]:
+    return list(dict.fromkeys(e.run for e in episodes))
+
+
+def _totals(episodes: Sequence[EpisodeSummary]) -> str:
+    played = sum(e.steps for e in episodes)
+    over = sum(e.game_over for e in episodes)
+    mean = sum(e.cum_reward for e in episodes) / len(episodes)
+    return (
+        f"{len(episodes)} episodes, {played} steps, {over} game over, "
+        f"mean cumulative reward {mean:.2f}"
+    )
+
+
 def _print_table(episodes: Sequence[EpisodeSummary]) -> None:
     width = max([len("episode"), *(len(e.folder) for e in episodes)])
     print(
         f"{'episode':<{width}}  {'chronic':<10} {'steps/max':>12} {'cum reward':>12} "
         f"{'agent time':>11}  game over"
     )
-    for e in episodes:
-        steps = f"{e.steps}/{e.max_steps}"
-        agent = "-" if e.agent_time is None else f"{e.agent_time:.3f} s"
-        print(
-            f"{e.folder:<{width}}  {e.chronic:<10} {steps:>12} {e.cum_reward:>12.2f} "
-            f"{agent:>11}  {'yes' if e.game_over else 'no'}"
-        )
-    played = sum(e.steps for e in episodes)
-    over = sum(e.game_over for e in episodes)
-    mean = sum(e.cum_reward for e in episodes) / len(episodes)
-    print(
-        f"{len(episodes)} episodes, {played} steps, {over} game over, mean cumulative reward {mean:.2f}"
-    )
+    runs = _runs(episodes)
+    for number, run in enumerate(runs, 1):
+        mine = [e for e in episodes if e.run == run]
+        for e in mine:
+            steps = f"{e.steps}/{e.max_steps}"
+            agent = "-" if e.agent_time is None else f"{e.agent_time:.3f} s"
+            print(
+                f"{e.folder:<{width}}  {e.chronic:<10} {steps:>12} {e.cum_reward:>12.2f} "
+                f"{agent:>11}  {'yes' if e.game_over else 'no'}"
+            )
+        if len(runs) > 1:
+            name = f"run {number} (id {run})" if run is not None else "saved by another tool"
+            print(f"  {name}: {_totals(mine)}")
+    if len(runs) > 1:
+        print(f"{_totals(episodes)} ({len(runs)} runs in this folder: see each above)")
+    else:
+        print(_totals(episodes))
 
 
 def _plot(root: Path, episodes: Sequence[EpisodeSummary], out: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    fig = figure(root, episodes)
+    fig.savefig(out)
+    plt.close(fig)
+
+
+def figure(root: Path, episodes: Sequence[EpisodeSummary]) -> Any:
+    """The ``--plot`` figure: survival bars and cumulative reward lines (a matplotlib Figure)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (survival, reward) = plt.subplots(1, 2, figsize=(12, 4.5))
-    names = [e.folder for e in episodes]
+    runs = _runs(episodes)
+
+    def label(e: EpisodeSummary) -> str:
+        return e.folder if len(runs) == 1 else f"{e.folder} (run {runs.index(e.run) + 1})"
+
+    fig, (survival, reward) = plt.subplots(1, 2, figsize=(13, 4.8))
+    names = [label(e) for e in episodes]
     survival.bar(names, [e.max_steps for e in episodes], color="lightgrey", label="chronic length")
     survival.bar(names, [e.steps for e in episodes], label="steps played")
     survival.set(xlabel="episode", ylabel="steps", title="Survival")
     survival.tick_params(axis="x", labelrotation=45)
-    survival.legend()
-    for e in episodes:
+    # Headroom above the tallest bar for the legend, so it never covers a bar.
+    survival.set_ylim(0, 1.25 * max(e.max_steps for e in episodes))
+    survival.legend(loc="upper center", ncol=2)
+    styles = ("-", "--", "-.", ":")
+    n = len(episodes)
+    for i, e in enumerate(episodes):
         rewards = _rewards(root, e)
-        reward.plot(np.arange(1, len(rewards) + 1), np.cumsum(rewards), label=e.folder)
+        # Identical episodes draw the same line: each later one thinner and dashed differently,
+        # on top of the earlier, so every one stays visible.
+        reward.plot(
+            np.arange(1, len(rewards) + 1),
+            np.cumsum(rewards),
+            label=label(e),
+            linestyle=styles[i % len(styles)],
+            linewidth=1.2 + 3.0 * (n - 1 - i) / max(n - 1, 1),
+        )
     reward.set(xlabel="step", ylabel="cumulative reward", title="Cumulative reward")
-    if len(episodes) <= 12:
-        reward.legend()
+    if n <= 12:
+        reward.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small")
     fig.tight_layout()
-    fig.savefig(out)
-    plt.close(fig)
+    return fig
+
+
+def _check_plot_path(parser: _Parser, plot: Path) -> None:
+    """Reject a plot file that cannot be written before reading and drawing anything."""
+    if plot.suffix.lower() != ".png":
+        parser.error(f"--plot writes a PNG file: give a name ending in .png, not {plot.name!r}")
+    if plot.is_dir():
+        parser.error(f"--plot {plot} is a folder: give a file name ending in .png")
+    folder = plot.absolute().parent
+    if not folder.is_dir():
+        what = "is a file" if folder.exists() else "does not exist"
+        parser.error(f"--plot {plot}: the folder {folder} {what}; create it or choose another")
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".asyncrunner-probe-", dir=folder)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        parser.error(f"--plot {plot}: cannot write in {folder} ({exc.strerror or exc})")
 
 
 def main(argv: Sequence[str]) -> int:
@@ -151,13 +239,14 @@ def main(argv: Sequence[str]) -> int:
     parser = _parser()
     args = parser.parse_args(list(argv))
     root = Path(args.dir)
+    if root.exists() and not root.is_dir():
+        parser.error(f"{root} is a file, not a folder: give the folder a run was saved in")
     if not root.is_dir():
         parser.error(f"no such folder: {root}")
     plot = None
     if args.plot is not None:
         plot = Path(args.plot)
-        if plot.suffix.lower() != ".png":
-            parser.error(f"--plot writes a PNG file: give a name ending in .png, not {plot.name!r}")
+        _check_plot_path(parser, plot)
         try:
             import matplotlib  # noqa: F401
         except ImportError:

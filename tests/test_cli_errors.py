@@ -1,0 +1,394 @@
+"""Where a new user trips: every bad input of ``asyncrunner run`` / ``show`` is one line on stderr,
+exit 2, no traceback, and quick (before any env is built, no network); failed episodes say where
+their traceback is; an interrupted run says how to resume it; ``show`` tells runs apart.
+
+Most cases call the CLI's ``main(argv)`` in this process (fast); the subprocess ones are slow.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from asyncrunner._cli import main
+
+# Generous: catches a network retry loop (~20 s) or a Dask connect timeout (~90 s), not jitter.
+QUICK = 20.0
+SMALL = ["--episodes", "1", "--workers", "1", "--max-iter", "5"]
+
+AGENTS = """
+from grid2op.Agent import BaseAgent
+
+
+class Boom(BaseAgent):
+    def act(self, observation, reward, done=False):
+        if observation.current_step >= 3:
+            raise ValueError("boom at step 3")
+        return self.action_space({})
+"""
+
+
+def _main(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str, float]:
+    """Exit status, stdout, stderr and wall time of ``asyncrunner ARGV`` run in this process."""
+    start = time.perf_counter()
+    try:
+        code: Any = main(argv)
+    except SystemExit as exc:
+        code = exc.code
+    elapsed = time.perf_counter() - start
+    out, err = capsys.readouterr()
+    return int(code), out, err, elapsed
+
+
+def _usage_error(
+    argv: list[str], expected: str, capsys: pytest.CaptureFixture[str], prog: str = "run"
+) -> str:
+    code, out, err, elapsed = _main(argv, capsys)
+    assert code == 2, err
+    assert "Traceback" not in err
+    lines = err.strip().splitlines()
+    # The error in one line, then the usual pointer to --help.
+    assert len(lines) == 2, err
+    assert lines[0].startswith(f"asyncrunner {prog}: error: "), err
+    assert expected in lines[0], err
+    assert "--help" in lines[1]
+    assert out == ""
+    assert elapsed < QUICK, f"took {elapsed:.1f} s"
+    return lines[0]
+
+
+# --- item 3: a save folder that cannot be written ----------------------------------------------
+
+
+def test_save_under_a_file_is_refused_before_the_env_is_built(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "afile.txt").write_text("")
+    target = tmp_path / "afile.txt" / "sub"
+    _usage_error(["run", *SMALL, "--save", str(target)], "is a file, not a folder", capsys)
+
+
+@pytest.mark.parametrize(
+    ("folder", "expected"),
+    [
+        ("/proc/asyncrunner-runs", "cannot be created"),  # /proc takes no new folder, even for root
+        ("/proc", "is not writable"),  # exists, and os.access says writable as root
+        ("/sys", "is not writable"),
+    ],
+)
+def test_save_where_nothing_can_be_written_is_refused(
+    folder: str, expected: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    line = _usage_error(["run", *SMALL, "--save", folder], expected, capsys)
+    assert "--save" in line
+
+
+def test_path_save_checks_real_writability(tmp_path: Path) -> None:
+    from asyncrunner._plan import check_path_save
+
+    with pytest.raises(ValueError, match="is not writable"):
+        check_path_save("/sys")
+    with pytest.raises(ValueError, match="is a file, not a folder"):
+        (tmp_path / "f").write_text("")
+        check_path_save(tmp_path / "f" / "a" / "b")
+    assert not (tmp_path / "f").is_dir()
+    with pytest.raises(TypeError, match=r"`path_save` must be a folder path .*got int 123"):
+        check_path_save(123)  # type: ignore[arg-type]
+    # A writable folder keeps no trace of the probe.
+    assert os.listdir(check_path_save(tmp_path / "ok")) == []
+
+
+@pytest.mark.anyio
+async def test_run_rejects_an_unwritable_path_save_before_any_episode(
+    anyio_backend: str, env: Any
+) -> None:
+    from grid2op.Agent import DoNothingAgent
+
+    from asyncrunner import AsyncRunner
+    from asyncrunner.sinks import CallbackSink
+
+    events: list[Any] = []
+    async with AsyncRunner(env, agent=DoNothingAgent, workers=1) as runner:
+        with pytest.raises(ValueError, match="`path_save` '/sys' is not writable"):
+            await runner.run(1, path_save="/sys", max_iter=2, sinks=[CallbackSink(events.append)])
+        with pytest.raises(TypeError, match="must be a folder path"):
+            await runner.run(1, path_save=123, max_iter=2)  # type: ignore[arg-type]
+    assert events == []
+
+
+# --- item 5: a typo in the env name --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("test_flag", [[], ["--test"]])
+def test_env_name_typo_suggests_the_closest_name_offline(
+    test_flag: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    line = _usage_error(
+        ["run", *SMALL, *test_flag, "l2rpn_case14_sandbx"],
+        "unknown env 'l2rpn_case14_sandbx': did you mean 'l2rpn_case14_sandbox'?",
+        capsys,
+    )
+    assert "--test" not in line or test_flag  # "add --test" was no help
+
+
+def test_missing_env_folder_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    _usage_error(["run", *SMALL, "no/such/env"], "no env folder 'no/such/env'", capsys)
+
+
+# --- item 6: agents that cannot be loaded, a scheduler that is not there ------------------------
+
+
+def test_agent_file_with_a_syntax_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    bad = tmp_path / "syntax_error_agent.py"
+    bad.write_text("from grid2op.Agent import BaseAgent\nclass A(BaseAgent)\n    pass\n")
+    line = _usage_error(["run", *SMALL, "--agent", f"{bad}:A"], "SyntaxError", capsys)
+    assert "line 2" in line
+
+
+def test_agent_file_raising_at_import(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    bad = tmp_path / "raising_agent.py"
+    bad.write_text("x = 1\nraise RuntimeError('no GPU here')\n")
+    line = _usage_error(["run", *SMALL, "--agent", f"{bad}:A"], "RuntimeError: no GPU here", capsys)
+    assert "raising_agent.py, line 2" in line
+
+
+def test_abstract_agent_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    _usage_error(["run", *SMALL, "--agent", "BaseAgent"], "is abstract", capsys)
+
+
+def test_abstract_agent_is_refused_by_the_runner(env: Any) -> None:
+    from grid2op.Agent import BaseAgent
+
+    from asyncrunner import AsyncRunner
+
+    with pytest.raises(TypeError, match="BaseAgent is abstract"):
+        AsyncRunner(env, agent=BaseAgent)
+
+
+def test_unreachable_scheduler_fails_fast(capsys: pytest.CaptureFixture[str]) -> None:
+    _usage_error(
+        ["run", *SMALL, "--scheduler", "tcp://127.0.0.1:1"],
+        "no Dask scheduler reachable there",
+        capsys,
+    )
+
+
+def test_resume_needs_save(capsys: pytest.CaptureFixture[str]) -> None:
+    _usage_error(["run", *SMALL, "--resume"], "--resume needs --save DIR", capsys)
+
+
+# --- item 7: failures that say what happened and where the traceback is -------------------------
+
+
+def _agents(tmp_path: Path, stem: str) -> str:
+    # One module name per test: an agent module is imported once per process.
+    path = tmp_path / f"{stem}.py"
+    path.write_text(AGENTS)
+    return f"{path}:Boom"
+
+
+def test_failed_row_names_its_chronic_and_length_and_the_traceback_is_on_stderr(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["run", *SMALL, "--agent", _agents(tmp_path, "boom_continue"), "--on-error", "continue"]
+    code, out, err, _ = _main(argv, capsys)
+    assert code == 1
+    row = out.splitlines()[1].split()
+    assert row[:3] == ["0", "0000", "3/5"]  # not "-" and "3/?"
+    assert "episode 0 (0000) failed after 3 steps: ValueError: boom at step 3" in err
+    assert 'boom_continue.py", line' in err and "Traceback" in err
+
+
+def test_failed_row_under_raise_names_its_chronic(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, out, err, _ = _main(["run", *SMALL, "--agent", _agents(tmp_path, "boom_raise")], capsys)
+    assert code == 1
+    assert out.splitlines()[1].split()[:3] == ["0", "0000", "3/5"]
+    assert "failed after 3 steps" in err and "failed at step" not in err
+
+
+def test_show_a_file_says_it_is_a_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "afile").write_text("")
+    _usage_error(["show", str(tmp_path / "afile")], "is a file, not a folder", capsys, "show")
+
+
+def test_show_plot_into_a_missing_folder_is_refused_before_plotting(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, _, _, _ = _main(["run", *SMALL, "--save", str(tmp_path / "runs")], capsys)
+    assert code == 0
+    _usage_error(
+        ["show", str(tmp_path / "runs"), "--plot", str(tmp_path / "missing" / "x.png")],
+        "does not exist",
+        capsys,
+        "show",
+    )
+
+
+# --- item 4: runs that add to a folder, and show telling them apart -----------------------------
+
+
+@pytest.mark.slow  # several real runs
+def test_a_second_run_in_the_same_folder_is_announced_and_shown_apart(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from grid2op.Episode import EpisodeData
+
+    runs = str(tmp_path / "runs")
+    first = _main(["run", *SMALL, "--save", runs], capsys)
+    assert first[0] == 0 and "earlier run" not in first[2]
+    second = _main(["run", *SMALL[:4], "--max-iter", "3", "--save", runs], capsys)
+    assert second[0] == 0
+    assert f"{runs} already holds 1 saved episodes of an earlier run" in second[2]
+    assert "--resume" in second[2]
+    # grid2op still reads both.
+    assert sorted(name for _, name in EpisodeData.list_episode(runs)) == ["0000", "0000_1"]
+    code, out, _, _ = _main(["show", runs], capsys)
+    assert code == 0
+    lines = out.splitlines()
+    assert lines[1].split()[:3] == ["0000", "0000", "5/5"]
+    assert lines[2].startswith("  run 1 (id ") and "1 episodes, 5 steps" in lines[2]
+    assert lines[3].split()[:3] == ["0000_1", "0000", "3/3"]
+    assert lines[4].startswith("  run 2 (id ") and "1 episodes, 3 steps" in lines[4]
+    assert lines[5].startswith("2 episodes, 8 steps") and "2 runs in this folder" in lines[5]
+
+
+# --- item 8: the --plot picture -----------------------------------------------------------------
+
+
+@pytest.mark.slow  # several real runs
+def test_plot_legend_clears_the_bars_and_identical_lines_stay_visible(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    pytest.importorskip("matplotlib")
+    from asyncrunner._show import figure, read_run
+
+    runs = tmp_path / "runs"
+    # The same chronic twice with the same seeds: identical episodes, identical lines.
+    argv = ["run", "--workers", "1", "--max-iter", "30", "--seed", "1", "--save", str(runs)]
+    assert _main([*argv, "--episode-id", "0000", "0001", "0002"], capsys)[0] == 0
+    assert _main([*argv, "--episode-id", "0000", "0001", "0002"], capsys)[0] == 0
+    code, out, _, _ = _main(["show", str(runs), "--plot", str(tmp_path / "plot.png")], capsys)
+    assert code == 0 and "plot written to" in out
+    assert (tmp_path / "plot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    fig = figure(runs, read_run(runs))
+    fig.canvas.draw()
+    survival, reward = fig.axes
+    renderer = fig.canvas.get_renderer()
+    legend = survival.get_legend().get_window_extent(renderer)
+    bars = [patch.get_window_extent(renderer) for patch in survival.patches]
+    assert bars and not any(legend.overlaps(bar) for bar in bars)
+    lines = reward.get_lines()
+    assert len(lines) == 6
+    same = [(ln.get_linestyle(), ln.get_linewidth()) for ln in (lines[0], lines[3])]
+    assert (lines[0].get_ydata() == lines[3].get_ydata()).all()  # the two runs' 0000
+    assert same[0] != same[1]  # drawn differently, so the later one does not hide the earlier
+    # The reward legend sits outside the axes: it covers no line.
+    outside = reward.get_legend().get_window_extent(renderer)
+    assert outside.x0 >= reward.get_window_extent(renderer).x1
+
+
+# --- subprocesses: a real terminal user's view ---------------------------------------------------
+
+
+def _script() -> str:
+    here = Path(sys.executable).parent / "asyncrunner"
+    found = str(here) if here.exists() else shutil.which("asyncrunner")
+    assert found, "the `asyncrunner` console script is not installed (pip install -e .)"
+    return found
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["l2rpn_case14_sandbx"], "did you mean 'l2rpn_case14_sandbox'?"),
+        (["--scheduler", "tcp://127.0.0.1:1"], "no Dask scheduler reachable"),
+        (["--save", "/proc/runs"], "cannot be created"),
+    ],
+)
+def test_errors_in_a_real_process_are_quick_and_one_line(
+    tmp_path: Path, args: list[str], expected: str
+) -> None:
+    start = time.perf_counter()
+    done = subprocess.run(
+        [_script(), "run", *args], cwd=tmp_path, capture_output=True, text=True, timeout=120
+    )
+    elapsed = time.perf_counter() - start
+    assert done.returncode == 2
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 2 and expected in lines[0], done.stderr
+    assert "Traceback" not in done.stderr
+    assert elapsed < QUICK, f"took {elapsed:.1f} s"
+
+
+SLOW_AGENT = """
+import time
+
+from grid2op.Agent import BaseAgent
+
+
+class Slow(BaseAgent):
+    def act(self, observation, reward, done=False):
+        time.sleep(0.02)  # about 1 s per 50-step episode: time to interrupt between episodes
+        return self.action_space({})
+"""
+
+
+@pytest.mark.slow
+def test_ctrl_c_reports_what_finished_and_the_printed_command_resumes(tmp_path: Path) -> None:
+    (tmp_path / "slow_agent.py").write_text(SLOW_AGENT)
+    argv = ["run", "--agent", "slow_agent.py:Slow", "-n", "3", "-w", "1", "--max-iter", "50"]
+    argv += ["--seed", "0", "--save", "runs"]
+    proc = subprocess.Popen(
+        [_script(), *argv], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not list((tmp_path / "runs").glob("*/asyncrunner.json")):
+            assert proc.poll() is None and time.monotonic() < deadline, "no episode finished"
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGINT)
+        sent = time.monotonic()
+        out, err = proc.communicate(timeout=60)
+        stopped = time.monotonic() - sent
+    finally:
+        if proc.poll() is None:  # pragma: no cover - only when the test failed
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err
+    assert stopped < QUICK
+    saved = sorted(p.name for p in (tmp_path / "runs").iterdir() if p.is_dir())
+    assert 1 <= len(saved) < 3, saved  # interrupted between episodes
+    assert [line.split()[1] for line in out.splitlines()[1:]] == saved  # the table of what finished
+    assert f"{len(saved)}/3 episodes finished" in err
+    assert f"{len(saved)} saved in runs: {', '.join(saved)}" in err
+    command = err.split("resume with: ", 1)[1].strip()
+    assert command == "asyncrunner " + shlex.join([*argv, "--resume"])
+
+    words = shlex.split(command)
+    resumed = subprocess.run(
+        [_script(), *words[1:]], cwd=tmp_path, capture_output=True, text=True, timeout=240
+    )
+    assert resumed.returncode == 0, resumed.stderr
+    missing = 3 - len(saved)
+    summary = f"{missing}/3 episodes played, {len(saved)} already saved in runs, 0 failed"
+    assert summary in resumed.stdout
+    assert sorted(p.name for p in (tmp_path / "runs").iterdir() if p.is_dir()) == [
+        "0000",
+        "0001",
+        "0002",
+    ]
+    assert not [p for p in (tmp_path / "runs").iterdir() if p.name.startswith(".")]
