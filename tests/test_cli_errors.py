@@ -253,6 +253,7 @@ def test_a_second_run_in_the_same_folder_is_announced_and_shown_apart(
     assert "--resume" in second[2]
     # grid2op still reads both.
     assert sorted(name for _, name in EpisodeData.list_episode(runs)) == ["0000", "0000_1"]
+    assert len(EpisodeData.from_disk(runs, "0000_1").rewards) == 3
     code, out, _, _ = _main(["show", runs], capsys)
     assert code == 0
     lines = out.splitlines()
