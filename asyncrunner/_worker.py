@@ -23,6 +23,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Any
 
+import cloudpickle
 import numpy as np
 
 from . import _channel
@@ -80,11 +81,13 @@ def _grid_class(name: str, base: type, attributes: dict[str, Any]) -> type:
     return type(GridObjects.init_grid_from_dict_for_pickle(name, base, attributes))
 
 
-class _GridPickler(pickle.Pickler):
-    """Sends the classes grid2op creates for an env by value, as grid2op pickles their instances.
+class _GridPickler(cloudpickle.Pickler):  # type: ignore[misc]  # cloudpickle is untyped
+    """cloudpickle's pickler, sending the classes grid2op creates for an env by value too.
 
-    An agent instance holds its action space, whose ``actionClass`` is such a class: by reference,
-    a fresh worker cannot find it.
+    cloudpickle sends by value what a worker cannot import (classes and functions defined in a
+    function, lambdas, ``__main__``'s), as grid2op's forked processes simply inherit them.
+    grid2op's env classes are rebuilt from their grid description, as grid2op pickles their
+    instances: an agent instance holds its action space, whose ``actionClass`` is such a class.
     """
 
     def reducer_override(self, obj: Any) -> Any:
@@ -96,11 +99,11 @@ class _GridPickler(pickle.Pickler):
                 attributes: dict[str, Any] = {}
                 GridObjects._make_cls_dict_extended(obj, attributes, as_list=False)
                 return _grid_class, (obj.__name__, base, attributes)
-        return NotImplemented
+        return super().reducer_override(obj)
 
 
 def dumps(obj: Any) -> bytes:
-    """``pickle.dumps`` for what goes to workers (grid2op's env classes by value)."""
+    """``pickle.dumps`` for what goes to workers (see ``_GridPickler``); ``pickle.loads`` reads it."""
     buffer = io.BytesIO()
     _GridPickler(buffer, protocol=5).dump(obj)
     return buffer.getvalue()
