@@ -31,6 +31,8 @@ Where it differs from grid2op's Runner:
   folder is either the old episode or the new one, never a mix.
 - An agent instance (``agentInstance=``) is copied to the worker processes, as grid2op does with
   ``nb_process > 1``: what an episode changes in the agent does not reach the instance held here.
+  Each episode plays a copy of the instance as given (grid2op copies, in each of its processes,
+  the copy the previous episode played).
   An agent class is built in the workers with the class attributes it has here (as in a forked
   process: ``OneChangeThenNothing.gen_next(...)`` works).
 - Workers build the env from the runner's parameters; what they cannot import (agents, solvers,

@@ -153,6 +153,16 @@ def test_local_agent_instance_plays_on_spawned_workers(
     assert async_run(env, instance, spawn_pool) == by_instance
 
 
+@pytest.mark.slow  # a local Dask cluster (worker processes of its own)
+def test_lambda_factory_plays_on_dask_workers(env: Any, by_class: list[Any]) -> None:
+    pytest.importorskip("distributed")
+    from asyncrunner.dask import DaskExecutor
+
+    agent = local_sampling_agent()
+    executor = DaskExecutor(local_workers=2)
+    assert async_run(env, lambda space: agent(space), executor) == by_class
+
+
 # --- an agent instance that cannot be copied -------------------------------------------------
 
 
