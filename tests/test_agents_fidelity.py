@@ -12,6 +12,8 @@ import copy
 import logging
 import multiprocessing
 import os
+import subprocess
+import sys
 import warnings
 from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor
@@ -161,6 +163,47 @@ def test_lambda_factory_plays_on_dask_workers(env: Any, by_class: list[Any]) -> 
     agent = local_sampling_agent()
     executor = DaskExecutor(local_workers=2)
     assert async_run(env, lambda space: agent(space), executor) == by_class
+
+
+SCRIPT = """
+import asyncio, threading, warnings
+warnings.simplefilter("ignore")
+from grid2op.Agent import DoNothingAgent
+from asyncrunner import AsyncRunner
+from tests.conftest import make_env
+
+LOCK = threading.Lock()  # what a script's agent may use: cannot be pickled
+
+
+class ScriptAgent(DoNothingAgent):
+    def act(self, observation, reward, done=False):
+        with LOCK:
+            return super().act(observation, reward, done)
+
+
+async def main():
+    async with AsyncRunner(make_env(), agent=ScriptAgent, workers=2) as runner:
+        results = await runner.run(2, max_iter=5)
+    print([r.nb_time_step for r in results])
+
+
+if __name__ == "__main__":
+    asyncio.run(main())
+"""
+
+
+@pytest.mark.slow  # a subprocess
+def test_script_agent_class_keeps_its_globals_in_the_script(tmp_path: Any) -> None:
+    # By reference, as before: by value, the class would drag its unpicklable global along.
+    script = tmp_path / "script.py"
+    script.write_text(SCRIPT)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run(
+        [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().splitlines()[-1] == "[5, 5]"
 
 
 # --- an agent instance that cannot be copied -------------------------------------------------
