@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import concurrent.futures
+import copy
 import hashlib
 import inspect
 import os
-import pickle
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import replace
@@ -65,6 +65,15 @@ def _agent_recipe(agent: Any) -> tuple[str, Any]:
             )
         return "class", agent
     if isinstance(agent, BaseAgent):
+        try:
+            copy.copy(agent)  # each episode plays a copy (_worker._Cached.new_agent)
+        except Exception as exc:
+            raise TypeError(
+                f"agent {agent!r} cannot be copied ({type(exc).__name__}: {exc}), and each "
+                "episode plays a copy of an agent instance: pass its class or a factory "
+                "(action_space) -> agent (asyncrunner.compat.Runner plays such an instance "
+                "itself, in this process, as grid2op's Runner does)"
+            ) from exc
         return "instance", agent
     if callable(agent):
         return "factory", agent
@@ -78,7 +87,8 @@ class AsyncRunner(AsyncResource):
     """Plays grid2op episodes of ``agent`` on ``env`` in worker processes, from asyncio or trio.
 
     ``agent``: a ``BaseAgent`` subclass (built in the worker with the env's action space), an
-    instance (copied for each episode, as grid2op does) or a picklable ``(action_space) -> agent``.
+    instance (copied for each episode, as grid2op does) or a callable ``(action_space) -> agent``
+    (a lambda or a class defined in a function too: what workers cannot import goes by value).
     ``workers``: episodes run at once (default: CPU count). ``executor``: ``None`` for local
     processes (forked from this one on Linux, ``anyio.to_process`` elsewhere), a
     ``concurrent.futures.Executor``, or a Dask cluster (a ``distributed.Client``, a scheduler
@@ -124,7 +134,7 @@ class AsyncRunner(AsyncResource):
         for mix, source in sources.items():
             params = runner_params(source)
             try:
-                pickle.dumps(params, protocol=5)
+                dumps(params)
             except Exception as exc:
                 raise TypeError(
                     "the env cannot be sent to worker processes: its get_params_for_runner() "
@@ -139,7 +149,7 @@ class AsyncRunner(AsyncResource):
             except Exception as exc:
                 raise TypeError(
                     f"the agent {agent!r} cannot be sent to worker processes because it cannot be "
-                    f"pickled ({type(exc).__name__}: {exc}); pass its class, or a module-level factory "
+                    f"pickled ({type(exc).__name__}: {exc}); pass its class, or a factory "
                     "(action_space) -> agent"
                 ) from exc
             self._recipes[mix] = (hashlib.blake2b(blob, digest_size=16).hexdigest(), blob)

@@ -23,6 +23,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Any
 
+import cloudpickle
 import numpy as np
 
 from . import _channel
@@ -80,29 +81,55 @@ def _grid_class(name: str, base: type, attributes: dict[str, Any]) -> type:
     return type(GridObjects.init_grid_from_dict_for_pickle(name, base, attributes))
 
 
-class _GridPickler(pickle.Pickler):
-    """Sends the classes grid2op creates for an env by value, as grid2op pickles their instances.
+def _grid_reduce(obj: Any) -> Any:
+    """How to rebuild a class grid2op created for an env, from its grid description (or None).
 
-    An agent instance holds its action space, whose ``actionClass`` is such a class: by reference,
-    a fresh worker cannot find it.
+    As grid2op pickles their instances: an agent instance holds its action space, whose
+    ``actionClass`` is such a class, which a fresh worker cannot import by name.
     """
+    base = getattr(obj, "_INIT_GRID_CLS", None) if isinstance(obj, type) else None
+    if base is None:
+        return None
+    from grid2op.Space import GridObjects
+
+    if not issubclass(obj, GridObjects):
+        return None
+    attributes: dict[str, Any] = {}
+    GridObjects._make_cls_dict_extended(obj, attributes, as_list=False)
+    return _grid_class, (obj.__name__, base, attributes)
+
+
+class _GridPickler(pickle.Pickler):
+    """pickle, with grid2op's env classes by value."""
 
     def reducer_override(self, obj: Any) -> Any:
-        base = getattr(obj, "_INIT_GRID_CLS", None) if isinstance(obj, type) else None
-        if base is not None:
-            from grid2op.Space import GridObjects
+        return _grid_reduce(obj) or NotImplemented
 
-            if issubclass(obj, GridObjects):
-                attributes: dict[str, Any] = {}
-                GridObjects._make_cls_dict_extended(obj, attributes, as_list=False)
-                return _grid_class, (obj.__name__, base, attributes)
-        return NotImplemented
+
+class _ByValuePickler(cloudpickle.Pickler):  # type: ignore[misc]  # cloudpickle is untyped
+    """cloudpickle, with grid2op's env classes by value: what workers cannot import goes too."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        return _grid_reduce(obj) or super().reducer_override(obj)
 
 
 def dumps(obj: Any) -> bytes:
-    """``pickle.dumps`` for what goes to workers (grid2op's env classes by value)."""
+    """``pickle.dumps`` for what goes to workers; ``pickle.loads`` reads it.
+
+    What a worker cannot import (a class or function defined in a function, a lambda) goes by
+    value (cloudpickle), as grid2op's forked processes simply inherit it. Plain pickle comes
+    first: cloudpickle would also send ``__main__``'s classes by value, with the globals their
+    methods use (a model the script loaded, that may not pickle), which workers already have.
+    """
+    try:
+        return _dump(_GridPickler, obj)
+    except Exception:
+        return _dump(_ByValuePickler, obj)
+
+
+def _dump(pickler: type[pickle.Pickler], obj: Any) -> bytes:
     buffer = io.BytesIO()
-    _GridPickler(buffer, protocol=5).dump(obj)
+    pickler(buffer, protocol=5).dump(obj)
     return buffer.getvalue()
 
 

@@ -31,11 +31,17 @@ Where it differs from grid2op's Runner:
   folder is either the old episode or the new one, never a mix.
 - An agent instance (``agentInstance=``) is copied to the worker processes, as grid2op does with
   ``nb_process > 1``: what an episode changes in the agent does not reach the instance held here.
+  Each episode plays a copy of the instance as given (grid2op copies, in each of its processes,
+  the copy the previous episode played).
   An agent class is built in the workers with the class attributes it has here (as in a forked
   process: ``OneChangeThenNothing.gen_next(...)`` works).
-- Workers build the env from the runner's parameters. A subclass that overrides ``init_env``,
-  ``_new_env`` or ``_make_new_backend``, or an agent that cannot be pickled, plays in this
-  process, one episode at a time, with grid2op's own code (with a warning).
+- Workers build the env from the runner's parameters; what they cannot import (agents, solvers,
+  chronics filters defined in a function or as lambdas) goes by value (cloudpickle). A subclass
+  that overrides ``init_env``, ``_new_env`` or ``_make_new_backend``, or an agent that cannot be
+  pickled even so (it holds a lock), plays in this process, one episode at a time, with grid2op's
+  own code (with a warning). So does, as in grid2op and without a warning, an agent instance
+  that ``copy.copy`` cannot copy, and ``nb_process > 1`` with ``GRID2OP_RUNNER_FORCE_SEQUENTIAL``
+  set to an integer > 0.
 - A failed episode raises ``asyncrunner.EpisodeError`` (with the worker's traceback) rather than
   the agent's or env's own exception.
 - ``mp_context`` is not used: workers are asyncrunner's (forked on Linux, fresh interpreters
@@ -47,7 +53,6 @@ from __future__ import annotations
 import functools
 import operator
 import os
-import pickle
 import threading
 import warnings
 from collections.abc import Awaitable, Callable, Sequence
@@ -78,6 +83,10 @@ KEY_TIME_SERIE_ID = "time serie id"
 # Runner methods that build the env: a subclass overriding one plays in-process (grid2op's code).
 _ENV_HOOKS = ("init_env", "_new_env", "_make_new_backend")
 # grid2op's warnings (grid2op/Runner/aux_fun.py), raised in the caller's thread.
+# grid2op's Runner._run_parrallel, when it falls back to playing in its own process.
+_LOG_SEQUENTIAL = (
+    "Runner.run_parrallel: number of process set to 1. Failing back into sequential mode."
+)
 _WARN_TS_ID = (
     "You provided both `episode_id` and the key `'time serie id'` is present "
     "in the provided `reset_options`. In this case, grid2op will ignore the "
@@ -106,6 +115,8 @@ class Runner(_GridRunner):  # type: ignore[misc]  # grid2op is untyped (Any base
     _ar_session: _Session | None = None
     _ar_env: Any = None
     _ar_keep = False
+    # Set while grid2op's own _run_sequential plays here: its run_one_episode calls stay here.
+    _ar_here = False
 
     # --- lifetime ----------------------------------------------------------------------------
 
@@ -212,7 +223,7 @@ class Runner(_GridRunner):  # type: ignore[misc]  # grid2op is untyped (Any base
     ) -> tuple[Any, ...]:
         """Play one episode, as grid2op's ``run_one_episode``: ``(id_chron, name_chron,
         cum_reward, nb_time_step, max_ts[, episode_data][, nb_highres_sim])``."""
-        if self._ar_in_process_reason() is not None:
+        if self._ar_here or self._ar_in_process_reason() is not None or self._ar_as_grid2op(1):
             return tuple(
                 super().run_one_episode(
                     indx=indx,
@@ -404,20 +415,29 @@ class Runner(_GridRunner):  # type: ignore[misc]  # grid2op is untyped (Any base
                 "at a time, with grid2op's own Runner code",
                 stacklevel=3,
             )
-            result: list[tuple[Any, ...]] = _GridRunner._run_sequential(
-                self,
-                nb_episode,
-                path_save=path_save,
-                pbar=pbar,
-                env_seeds=env_seeds,
-                agent_seeds=agent_seeds,
-                max_iter=max_iter,
-                episode_id=episode_id,
-                add_detailed_output=add_detailed_output,
-                add_nb_highres_sim=add_nb_highres_sim,
-                init_states=init_states,
-                reset_options=reset_options,
-            )
+        as_grid2op = reason is None and self._ar_as_grid2op(nb_process)
+        if as_grid2op and nb_process > 1:
+            # grid2op's Runner._run_parrallel logs this (with `logger.warn`) and plays here.
+            self.logger.warning(_LOG_SEQUENTIAL)
+        if reason is not None or as_grid2op:
+            self._ar_here = True
+            try:
+                result: list[tuple[Any, ...]] = _GridRunner._run_sequential(
+                    self,
+                    nb_episode,
+                    path_save=path_save,
+                    pbar=pbar,
+                    env_seeds=env_seeds,
+                    agent_seeds=agent_seeds,
+                    max_iter=max_iter,
+                    episode_id=episode_id,
+                    add_detailed_output=add_detailed_output,
+                    add_nb_highres_sim=add_nb_highres_sim,
+                    init_states=init_states,
+                    reset_options=reset_options,
+                )
+            finally:
+                self._ar_here = False
             return result
         if isinstance(init_states, (dict, BaseAction)):
             init_states = [init_states.copy() for _ in range(nb_episode)]
@@ -435,11 +455,10 @@ class Runner(_GridRunner):  # type: ignore[misc]  # grid2op is untyped (Any base
                 ep_id = int(option.pop(KEY_TIME_SERIE_ID))
             ids.append(ep_id)
             options.append(option)
-        force_sequential = int(os.getenv(_GridRunner.FORCE_SEQUENTIAL) or 0) > 0
         return self._ar_play(
             ids=ids,
             options=options,
-            nb_process=1 if force_sequential else int(nb_process),
+            nb_process=int(nb_process),
             path_save=path_save,
             pbar=pbar,
             env_seeds=[None] * nb_episode if env_seeds is None else list(env_seeds),
@@ -577,6 +596,19 @@ class Runner(_GridRunner):  # type: ignore[misc]  # grid2op is untyped (Any base
                 )
         return None
 
+    def _ar_as_grid2op(self, nb_process: int) -> bool:
+        """Whether grid2op's Runner plays these episodes in its own process, one at a time.
+
+        It does for an agent instance that ``copy.copy`` cannot copy (it then plays the instance
+        itself, which a worker process could not), and for ``nb_process > 1`` when the
+        ``GRID2OP_RUNNER_FORCE_SEQUENTIAL`` environment variable is an integer > 0 (read as
+        grid2op reads it: another value raises its ``ValueError``).
+        """
+        if not self._useclass and not self._Runner__can_copy_agent:
+            return True
+        value = os.getenv(_GridRunner.FORCE_SEQUENTIAL)
+        return nb_process > 1 and value is not None and int(value) > 0
+
     def _ar_template(self) -> Any:
         """The env this process keeps for the runs: chronic names and spaces (built once)."""
         if self._ar_env is None:
@@ -632,7 +664,7 @@ class _AgentClass:
             if name.startswith("__") or hasattr(value, "__get__"):
                 continue  # methods, properties and the like come with the class
             try:
-                pickle.dumps(value, protocol=5)
+                dumps(value)
             except Exception:
                 continue
             self.state[name] = value

@@ -1,0 +1,343 @@
+"""Agent code and env parameters that grid2op's Runner plays, played alike by asyncrunner.
+
+Agents defined inside a function (classes, instances, lambda factories) and a chronics filter
+that is a lambda go to the workers by value; an agent instance that cannot be copied, and
+``GRID2OP_RUNNER_FORCE_SEQUENTIAL``, play in the caller's process as with grid2op's Runner;
+``redispatch_solver`` reaches the workers' envs.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import multiprocessing
+import os
+import subprocess
+import sys
+import warnings
+from collections.abc import Iterator
+from concurrent.futures import ProcessPoolExecutor
+from typing import Any
+
+import anyio
+import pytest
+from grid2op.Agent import BaseAgent, DoNothingAgent
+from grid2op.Chronics import MultifolderWithCache
+from grid2op.Environment.dispatch import BaseRedispatchSolver, RedispatchResult
+from grid2op.Exceptions import ImpossibleRedispatching
+from grid2op.Runner import Runner as GridRunner
+
+from asyncrunner import AsyncRunner, compat
+
+from .conftest import make_env
+
+
+def seeds(nb_episode: int) -> dict[str, Any]:
+    """Seeds and ``max_iter`` for ``nb_episode`` episodes (the same in every test)."""
+    return dict(env_seeds=[1, 2, 3][:nb_episode], agent_seeds=[4, 5, 6][:nb_episode], max_iter=20)
+
+
+def played(results: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
+    """(chronic name, cum_reward, steps, max_ts) of grid2op-style result tuples."""
+    return [(str(r[1]), r[2], r[3], r[4]) for r in results]
+
+
+def grid2op_run(params: dict[str, Any], nb_episode: int = 3, **kwargs: Any) -> list[Any]:
+    """grid2op's own Runner, one process (its results then come in request order)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        runner = GridRunner(**params)
+        return played(runner.run(nb_episode, nb_process=1, **seeds(nb_episode), **kwargs))
+
+
+def compat_run(params: dict[str, Any], nb_episode: int = 3) -> list[Any]:
+    """compat.Runner on two worker processes."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # grid2op's own, at the Runner's construction
+        runner = compat.Runner(**params)
+    return played(runner.run(nb_episode, nb_process=2, **seeds(nb_episode)))
+
+
+def local_sampling_agent() -> type[BaseAgent]:
+    """An agent class defined in a function (not importable by a worker): samples its space."""
+
+    class LocalAgent(BaseAgent):  # type: ignore[misc]  # grid2op is untyped
+        def act(self, observation: Any, reward: float, done: bool = False) -> Any:
+            return self.action_space.sample()
+
+    return LocalAgent
+
+
+@pytest.fixture(scope="module")
+def env() -> Iterator[Any]:
+    e = make_env()
+    yield e
+    e.close()
+
+
+@pytest.fixture(scope="module")
+def spawn_pool() -> Iterator[ProcessPoolExecutor]:
+    """Two spawned worker processes (fresh interpreters), shared by this module's spawn tests."""
+    context = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(max_workers=2, mp_context=context) as pool:
+        yield pool
+
+
+@pytest.fixture(scope="module")
+def by_class(env: Any) -> list[Any]:
+    """What grid2op's Runner plays with ``agentClass=`` a class defined in a function."""
+    return grid2op_run({**env.get_params_for_runner(), "agentClass": local_sampling_agent()})
+
+
+@pytest.fixture(scope="module")
+def by_instance(env: Any) -> list[Any]:
+    """What grid2op's Runner plays with ``agentInstance=`` an instance of such a class."""
+    instance = local_sampling_agent()(env.action_space)
+    params = {**env.get_params_for_runner(), "agentClass": None, "agentInstance": instance}
+    return grid2op_run(params)
+
+
+def async_run(env: Any, agent: Any, executor: Any = None) -> list[Any]:
+    async def main() -> list[Any]:
+        async with AsyncRunner(env, agent=agent, workers=2, executor=executor) as runner:
+            results = await runner.run(3, **seeds(3))
+        return [r.as_tuple() for r in results]
+
+    return played(anyio.run(main))
+
+
+# --- agents defined in a function, sent by value ----------------------------------------------
+
+
+def test_local_agent_class_plays_in_workers_as_in_grid2op(env: Any, by_class: list[Any]) -> None:
+    params = {**env.get_params_for_runner(), "agentClass": local_sampling_agent()}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # no fallback to playing in this process
+        assert compat_run(params) == by_class
+
+
+def test_local_agent_instance_plays_in_workers_as_in_grid2op(
+    env: Any, by_instance: list[Any]
+) -> None:
+    instance = local_sampling_agent()(env.action_space)
+    params = {**env.get_params_for_runner(), "agentClass": None, "agentInstance": instance}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        assert compat_run(params) == by_instance
+
+
+def test_lambda_factory_plays_on_the_fork_pool(env: Any, by_class: list[Any]) -> None:
+    agent = local_sampling_agent()
+    assert async_run(env, lambda space: agent(space)) == by_class
+
+
+@pytest.mark.slow  # spawned interpreters import grid2op (seconds each)
+def test_lambda_factory_plays_on_spawned_workers(
+    env: Any, spawn_pool: ProcessPoolExecutor, by_class: list[Any]
+) -> None:
+    agent = local_sampling_agent()
+    assert async_run(env, lambda space: agent(space), spawn_pool) == by_class
+
+
+@pytest.mark.slow  # spawned interpreters import grid2op (seconds each)
+def test_local_agent_class_plays_on_spawned_workers(
+    env: Any, spawn_pool: ProcessPoolExecutor, by_class: list[Any]
+) -> None:
+    assert async_run(env, local_sampling_agent(), spawn_pool) == by_class
+
+
+@pytest.mark.slow  # spawned interpreters import grid2op (seconds each)
+def test_local_agent_instance_plays_on_spawned_workers(
+    env: Any, spawn_pool: ProcessPoolExecutor, by_instance: list[Any]
+) -> None:
+    # The instance holds its action space, whose classes grid2op made for the env (by value too).
+    instance = local_sampling_agent()(env.action_space)
+    assert async_run(env, instance, spawn_pool) == by_instance
+
+
+@pytest.mark.slow  # a local Dask cluster (worker processes of its own)
+def test_lambda_factory_plays_on_dask_workers(env: Any, by_class: list[Any]) -> None:
+    pytest.importorskip("distributed")
+    from asyncrunner.dask import DaskExecutor
+
+    agent = local_sampling_agent()
+    executor = DaskExecutor(local_workers=2)
+    assert async_run(env, lambda space: agent(space), executor) == by_class
+
+
+SCRIPT = """
+import asyncio, threading, warnings
+warnings.simplefilter("ignore")
+from grid2op.Agent import DoNothingAgent
+from asyncrunner import AsyncRunner
+from tests.conftest import make_env
+
+LOCK = threading.Lock()  # what a script's agent may use: cannot be pickled
+
+
+class ScriptAgent(DoNothingAgent):
+    def act(self, observation, reward, done=False):
+        with LOCK:
+            return super().act(observation, reward, done)
+
+
+async def main():
+    async with AsyncRunner(make_env(), agent=ScriptAgent, workers=2) as runner:
+        results = await runner.run(2, max_iter=5)
+    print([r.nb_time_step for r in results])
+
+
+if __name__ == "__main__":
+    asyncio.run(main())
+"""
+
+
+@pytest.mark.slow  # a subprocess
+def test_script_agent_class_keeps_its_globals_in_the_script(tmp_path: Any) -> None:
+    # By reference, as before: by value, the class would drag its unpicklable global along.
+    script = tmp_path / "script.py"
+    script.write_text(SCRIPT)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run(
+        [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().splitlines()[-1] == "[5, 5]"
+
+
+# --- an agent instance that cannot be copied -------------------------------------------------
+
+
+class Uncopyable(DoNothingAgent):  # type: ignore[misc]  # grid2op is untyped
+    """Counts the steps it plays; ``copy.copy`` raises (it holds something like a session)."""
+
+    def __init__(self, action_space: Any) -> None:
+        super().__init__(action_space)
+        self.steps = 0
+
+    def __copy__(self) -> Any:
+        raise copy.Error("this agent holds a session that cannot be copied")
+
+    def act(self, observation: Any, reward: float, done: bool = False) -> Any:
+        self.steps += 1
+        return super().act(observation, reward, done)
+
+
+def logged_warnings(caplog: pytest.LogCaptureFixture, name: str) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name.startswith(name)]
+
+
+def test_uncopyable_agent_instance_is_played_itself_as_in_grid2op(
+    env: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING)
+    runs = {}
+    for name, cls in (("grid2op", GridRunner), ("ours", compat.Runner)):
+        agent = Uncopyable(env.action_space)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)  # grid2op's logger.warn
+            warnings.simplefilter("ignore", UserWarning)  # grid2op's, at construction
+            params = {
+                **env.get_params_for_runner(),
+                "logger": logging.getLogger(f"fidelity.{name}"),
+            }
+            runner = cls(**params, agentClass=None, agentInstance=agent)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            results = played(runner.run(2, nb_process=2, **seeds(2)))
+        # The instance itself played every episode, in this process.
+        runs[name] = (results, agent.steps, logged_warnings(caplog, f"fidelity.{name}"))
+    assert runs["ours"] == runs["grid2op"]
+    assert runs["ours"][1] == sum(r[2] for r in runs["ours"][0])
+    assert runs["ours"][2] == [compat._LOG_SEQUENTIAL]
+
+
+def test_async_runner_rejects_an_uncopyable_agent_instance_before_work(env: Any) -> None:
+    with pytest.raises(TypeError, match=r"cannot be copied.*pass its class or a factory"):
+        AsyncRunner(env, agent=Uncopyable(env.action_space))
+
+
+# --- env parameters that plain pickle cannot send -------------------------------------------
+
+
+def test_chronics_filter_lambda_is_honoured_as_in_grid2op() -> None:
+    env = make_env(chronics_class=MultifolderWithCache)
+    try:
+        env.chronics_handler.real_data.set_filter(lambda path: not path.endswith("0001"))
+        env.chronics_handler.reset()
+        params = {**env.get_params_for_runner(), "agentClass": DoNothingAgent}
+        ours = compat_run(params, 2)
+    finally:
+        env.close()
+    expected = grid2op_run(params, 2)
+    assert [r[0] for r in expected] == ["0000", "0002"]  # the chronics the filter kept
+    assert ours == expected
+
+
+class RedispatchingAgent(BaseAgent):  # type: ignore[misc]  # grid2op is untyped
+    """Asks for the same redispatching at every step: the env's redispatch solver runs."""
+
+    def act(self, observation: Any, reward: float, done: bool = False) -> Any:
+        return self.action_space({"redispatch": [(0, 1.0)]})
+
+
+def test_redispatch_solver_argument_reaches_the_workers(env: Any) -> None:
+    class NeverSolves(BaseRedispatchSolver):  # type: ignore[misc]  # grid2op is untyped
+        """Finds no dispatch: the first redispatching ends the episode (a game over)."""
+
+        def solve(self, constraints: Any, state: Any) -> Any:
+            return RedispatchResult.failed(ImpossibleRedispatching("no dispatch, on purpose"))
+
+    params = {
+        **env.get_params_for_runner(),
+        "agentClass": RedispatchingAgent,
+        "redispatch_solver": NeverSolves,
+    }
+    expected = grid2op_run(params, 2)
+    assert [r[2] for r in expected] == [1, 1]  # the solver was used: game over at once
+    assert compat_run(params, 2) == expected
+
+
+# --- GRID2OP_RUNNER_FORCE_SEQUENTIAL -----------------------------------------------------------
+
+# The processes PidAgent acted in (a forked worker appends to its own copy).
+PIDS: list[int] = []
+
+
+class PidAgent(DoNothingAgent):  # type: ignore[misc]  # grid2op is untyped
+    def act(self, observation: Any, reward: float, done: bool = False) -> Any:
+        PIDS.append(os.getpid())
+        return super().act(observation, reward, done)
+
+
+def test_force_sequential_plays_in_this_process_as_grid2op(
+    env: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING)
+    monkeypatch.setenv(GridRunner.FORCE_SEQUENTIAL, "1")
+    runs = {}
+    for name, cls in (("grid2op", GridRunner), ("ours", compat.Runner)):
+        PIDS.clear()
+        params = {**env.get_params_for_runner(), "logger": logging.getLogger(f"fidelity.{name}")}
+        runner = cls(**params, agentClass=PidAgent)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)  # grid2op's logger.warn
+            results = played(runner.run(2, nb_process=2, **seeds(2)))
+        runs[name] = (results, set(PIDS), logged_warnings(caplog, f"fidelity.{name}"))
+    assert runs["ours"] == runs["grid2op"]
+    assert runs["ours"][1] == {os.getpid()}
+    assert runs["ours"][2] == [compat._LOG_SEQUENTIAL]
+
+
+def test_force_sequential_is_read_as_grid2op_reads_it(
+    env: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    params = {**env.get_params_for_runner(), "agentClass": DoNothingAgent}
+    monkeypatch.setenv(GridRunner.FORCE_SEQUENTIAL, "yes")
+    for cls in (GridRunner, compat.Runner):
+        runner = cls(**params)
+        # Read only when several processes are asked for; then an integer, or ValueError.
+        runner.run(1, nb_process=1, max_iter=2)
+        with pytest.raises(ValueError, match="invalid literal for int"):
+            runner.run(2, nb_process=2, max_iter=2)
