@@ -29,7 +29,7 @@ from typing import Any
 import anyio
 import anyio.to_thread
 
-from ._plan import check_path_save
+from ._plan import check_path_save, chronic_names
 from ._runner import AsyncRunner
 
 __all__ = ["COMPETITIONS", "ScenarioScore", "ScoreResult", "score"]
@@ -313,15 +313,24 @@ def _scorer(
     accepted = inspect.signature(cls.__init__).parameters
     cls.__init__(scorer, env, **{k: v for k, v in kwargs.items() if k in accepted})
     del scorer._init_stat
-    _check_counts(int(scorer.nb_scenario), env_seeds, agent_seeds)
+    _check_counts(int(scorer.nb_scenario), env_seeds, agent_seeds, chronic_names(env))
     return scorer, refs
 
 
 def _check_counts(
-    nb: int, env_seeds: Sequence[int] | None, agent_seeds: Sequence[int] | None
+    nb: int,
+    env_seeds: Sequence[int] | None,
+    agent_seeds: Sequence[int] | None,
+    names: list[str] | None,
 ) -> None:
     if nb < 1:
         raise ValueError(f"`nb_scenario` must be >= 1, got {nb}")
+    if names is not None and nb > len(names):
+        # grid2op's classes would replay a chronic, whose statistics overwrite the first's.
+        raise ValueError(
+            f"`nb_scenario` is {nb} but the env has {len(names)} scenarios (chronics): "
+            f"ask for at most {len(names)}"
+        )
     for name, seeds in (("env_seeds", env_seeds), ("agent_seeds", agent_seeds)):
         if seeds is not None and len(seeds) != nb:
             raise ValueError(f"`{name}` has {len(seeds)} seeds for {nb} scenarios: give one each")

@@ -37,28 +37,28 @@ def env_copy(name: str, where: Path) -> Any:
     return make_env(str(folder))
 
 
-# (competition, grid2op's class, env, second agent): RandomAgent's action list is too big on
-# l2rpn_idf_2023 (147,896 actions), so a line-reconnecting agent stands in there.
+# (competition, grid2op's class, env, its number of chronics, second agent): RandomAgent's action
+# list is too big on l2rpn_idf_2023 (147,896 actions), so a line-reconnecting agent stands in.
 CASES = [
-    ("l2rpn_2020", "ScoreL2RPN2020", "l2rpn_case14_sandbox", RandomAgent),
-    ("l2rpn_wcci_2022", "ScoreL2RPN2022", "l2rpn_wcci_2022_dev", RandomAgent),
-    ("icaps_2021", "ScoreICAPS2021", "l2rpn_icaps_2021", RandomAgent),
-    ("l2rpn_2023", "ScoreL2RPN2023", "l2rpn_idf_2023", RecoPowerlineAgent),
+    ("l2rpn_2020", "ScoreL2RPN2020", "l2rpn_case14_sandbox", 2, RandomAgent),
+    ("l2rpn_wcci_2022", "ScoreL2RPN2022", "l2rpn_wcci_2022_dev", 1, RandomAgent),
+    ("icaps_2021", "ScoreICAPS2021", "l2rpn_icaps_2021", 2, RandomAgent),
+    ("l2rpn_2023", "ScoreL2RPN2023", "l2rpn_idf_2023", 2, RecoPowerlineAgent),
 ]
 SEEDS = [3, 7]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])
-@pytest.mark.parametrize(("competition", "cls", "name", "second"), CASES)
+@pytest.mark.parametrize(("competition", "cls", "name", "nb", "second"), CASES)
 async def test_score_equals_grid2ops_class_for_two_agents(
-    tmp_path: Path, competition: str, cls: str, name: str, second: type
+    tmp_path: Path, competition: str, cls: str, name: str, nb: int, second: type
 ) -> None:
     ours_env = env_copy(name, tmp_path / "ours")
     theirs_env = env_copy(name, tmp_path / "theirs")
     try:
         scorer = getattr(grid2op.utils, cls)(
-            theirs_env, nb_scenario=2, max_step=20, env_seeds=SEEDS, agent_seeds=SEEDS
+            theirs_env, nb_scenario=nb, max_step=20, env_seeds=SEEDS[:nb], agent_seeds=SEEDS[:nb]
         )
         expected = [
             scorer.get(DoNothingAgent(theirs_env.action_space)),
@@ -68,10 +68,10 @@ async def test_score_equals_grid2ops_class_for_two_agents(
             ours_env,
             [DoNothingAgent, second],
             competition=competition,
-            nb_scenario=2,
+            nb_scenario=nb,
             max_step=20,
-            env_seeds=SEEDS,
-            agent_seeds=SEEDS,
+            env_seeds=SEEDS[:nb],
+            agent_seeds=SEEDS[:nb],
             workers=2,
             cache_dir=tmp_path / "cache",
         )
@@ -156,6 +156,7 @@ async def test_path_save_keeps_each_agent_and_reference_and_resumes(tmp_path: Pa
         ({"competition": "l2rpn_2020", "env_seeds": [1]}, "`env_seeds` has 1 seeds for 2"),
         ({"competition": "l2rpn_2020", "resume": True}, "`resume=True` needs `path_save`"),
         ({"competition": "l2rpn_2020", "workers": 0}, "`workers` must be an integer >= 1"),
+        ({"competition": "l2rpn_2020", "nb_scenario": 99}, r"the env has \d+ scenarios"),
     ],
 )
 async def test_bad_arguments_fail_before_any_episode(
@@ -163,7 +164,7 @@ async def test_bad_arguments_fail_before_any_episode(
 ) -> None:
     with pytest.raises(ValueError, match=message):
         await asyncrunner.score(
-            env, DoNothingAgent, nb_scenario=2, cache_dir=tmp_path / "cache", **kwargs
+            env, DoNothingAgent, **{"nb_scenario": 2, "cache_dir": tmp_path / "cache", **kwargs}
         )
     assert not (tmp_path / "cache").exists()
 
