@@ -173,21 +173,27 @@ def figure(results: Sequence[ScoreResult]) -> Any:
     names = [s.name for s in results[0].scenarios]
     x = np.arange(len(names))
     width = 0.8 / len(results)
-    fig, (scores, survival) = plt.subplots(1, 2, figsize=(13, 4.8))
+    fig, (scores, survival) = plt.subplots(1, 2, figsize=(13, 5.2))
+    # The scenario's length behind each group of survival bars.
+    lengths = [s.total_steps for s in results[0].scenarios]
+    survival.bar(x, lengths, 0.9, color="lightgrey", label="scenario length")
     for i, r in enumerate(results):
         offset = (i - (len(results) - 1) / 2) * width
         label = f"{r.agent} (total {r.total:.1f})"
-        scores.bar(x + offset, [s.score for s in r.scenarios], width, label=label)
+        bars = scores.bar(x + offset, [s.score for s in r.scenarios], width, label=label)
+        # A score of 0 (DoNothing's level) draws no bar: its value says it is there.
+        scores.bar_label(bars, fmt="%.1f", fontsize="x-small", padding=2)
         survival.bar(x + offset, [s.steps_survived for s in r.scenarios], width, label=r.agent)
-    survival.plot(
-        x, [s.total_steps for s in results[0].scenarios], "k_", markersize=30, label="length"
-    )
     scores.axhline(0, color="grey", linewidth=0.8)
+    # grid2op's scores range from -100 (game over at once) to 100; 0 is DoNothing's.
+    scores.set_ylim(-110, 110)
     scores.set(xlabel="scenario", ylabel="score", title=f"Score ({results[0].competition})")
+    survival.set_ylim(0, 1.1 * max(lengths))
     survival.set(xlabel="scenario", ylabel="steps survived", title="Survival")
     for ax in (scores, survival):
         ax.set_xticks(x, names, rotation=45, ha="right")
-        ax.legend(loc="lower left", fontsize="small")
+        # Below the axes, so the legend never covers a bar.
+        ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.22), ncol=2, fontsize="small")
     fig.tight_layout()
     plt.close(fig)
     return fig
