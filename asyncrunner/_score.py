@@ -186,9 +186,9 @@ async def _play_and_score(
         for i, (folder, job_env, agent) in enumerate(plan.jobs):
             group.start_soon(play, i, folder, job_env, agent)
     scorer = plan.scorer
-    for ref in plan.todo:
+    for ref, episodes in zip(plan.todo, results, strict=False):
         await anyio.to_thread.run_sync(
-            _compute_stats, scorer, ref, os.path.join(plan.root, ref.name), plan.nb, env_seeds,
+            _compute_stats, scorer, ref, os.path.join(plan.root, ref.name), episodes, env_seeds,
             agent_seeds,
         )  # fmt: skip
     for ref in plan.refs:
@@ -413,7 +413,7 @@ def _compute_stats(
     scorer: Any,
     ref: _Reference,
     played: str,
-    nb: int,
+    episodes: Sequence[Any],
     env_seeds: Sequence[int] | None,
     agent_seeds: Sequence[int] | None,
 ) -> None:
@@ -426,13 +426,20 @@ def _compute_stats(
         shutil.rmtree(target)  # an incomplete entry (no _COMPLETE)
     os.makedirs(os.path.dirname(target), exist_ok=True)
     # compute() rewrites the folder, and grid2op checks the statistics against their final path:
-    # copy the played episodes there (path_save keeps them whole) and process them in place.
-    shutil.copytree(played, target)
+    # copy this score's episodes there (path_save keeps them whole) and process them in place.
+    # Each under its chronic's name, as grid2op's Runner saves it: path_save may also hold an
+    # earlier run's episodes, and then this run's are <chronic>_1, ...
+    os.makedirs(target)
+    for entry in os.scandir(played):
+        if entry.is_file():  # the spaces' descriptions
+            shutil.copy2(entry.path, target)
+    for episode in episodes:
+        shutil.copytree(episode.path, os.path.join(target, episode.name))
     agent = ref.agent if ref.agent is not None else DoNothingAgent(scorer.env.action_space)
     stats.compute(
         agent=agent,
         parameters=ref.parameters,
-        nb_scenario=nb,
+        nb_scenario=len(episodes),
         scores_func=scorer.scores_func,
         max_step=scorer.max_step,
         env_seeds=env_seeds,

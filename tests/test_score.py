@@ -199,3 +199,32 @@ def test_cli_score_prints_table_json_and_plot(tmp_path: Path) -> None:
     assert [d["agent"] for d in data] == ["DoNothingAgent", "RecoPowerlineAgent"]
     assert all(d["references_reused"] for d in data)
     assert [len(d["scenarios"]) for d in data] == [2, 2]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_a_save_folder_holding_an_earlier_score_gives_the_same_references(
+    tmp_path: Path,
+) -> None:
+    env = env_copy("l2rpn_case14_sandbox", tmp_path)
+    kwargs: dict[str, Any] = {
+        "competition": "l2rpn_2020", "nb_scenario": 1, "env_seeds": [5],
+        "agent_seeds": [5], "workers": 2, "path_save": tmp_path / "scores",
+    }  # fmt: skip
+    try:
+        # An earlier, longer score in the same folder...
+        await asyncrunner.score(env, RandomAgent, cache_dir=tmp_path / "a", **kwargs, max_step=12)
+        # ...then this one, with an empty cache: its references play again beside the earlier
+        # ones (<chronic>_1); only this score's go into the statistics.
+        (ours,) = await asyncrunner.score(
+            env, RandomAgent, cache_dir=tmp_path / "b", **kwargs, max_step=6
+        )
+        assert not ours.references_reused
+        alone = {**kwargs, "path_save": None}
+        (fresh,) = await asyncrunner.score(
+            env, RandomAgent, cache_dir=tmp_path / "c", **alone, max_step=6
+        )
+        assert ours.as_grid2op() == fresh.as_grid2op()
+        assert len(EpisodeData.list_episode(str(tmp_path / "scores" / "l2rpn_dn"))) == 2
+    finally:
+        env.close()
