@@ -26,6 +26,7 @@ from ._cli import (
     _Parser,
     _UsageError,
 )
+from ._exceptions import EpisodeError
 from ._score import COMPETITIONS, ScoreResult, score
 
 __all__ = ["main"]
@@ -102,6 +103,13 @@ def main(argv: Sequence[str]) -> int:
         )
     except ValueError as exc:
         parser.error(str(exc))
+    except EpisodeError as exc:
+        print(f"asyncrunner score: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        again = " (add --resume to complete it)" if args.save else ""
+        print(f"asyncrunner score: interrupted{again}", file=sys.stderr)
+        return 130
     finally:
         env.close()
     if args.json:
