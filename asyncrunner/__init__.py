@@ -19,6 +19,7 @@ from ._events import (
 from ._exceptions import AsyncRunnerError, EpisodeError, SinkError, WorkerChannelError
 from ._results import EpisodeResult
 from ._runner import AsyncRunner
+from ._score import ScenarioScore, ScoreResult, score
 
 __all__ = [
     "AsyncRunner",
@@ -32,7 +33,10 @@ __all__ = [
     "Event",
     "RunFinished",
     "RunStarted",
+    "ScenarioScore",
+    "ScoreResult",
     "SinkError",
     "StepBatch",
     "WorkerChannelError",
+    "score",
 ]

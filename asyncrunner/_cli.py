@@ -199,6 +199,11 @@ def _build_parser() -> tuple[_Parser, _Parser]:
         add_help=False,
         help="summarise a saved run (EpisodeData folders), optionally --plot FILE.png",
     )
+    commands.add_parser(
+        "score",
+        add_help=False,
+        help="score agents as grid2op's competition classes do, side by side",
+    )
     if _has_bench():
         commands.add_parser(
             "bench",
@@ -219,6 +224,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from ._show import main as show
 
         return show(args_list[1:])
+    if args_list[:1] == ["score"]:
+        from ._score_cli import main as score
+
+        return score(args_list[1:])
     if args_list[:1] == ["bench"] and _has_bench():
         bench = importlib.import_module("asyncrunner._bench")
         return int(bench.main(args_list[1:]))

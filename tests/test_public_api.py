@@ -19,9 +19,12 @@ PUBLIC = {
         "Event",
         "RunFinished",
         "RunStarted",
+        "ScenarioScore",
+        "ScoreResult",
         "SinkError",
         "StepBatch",
         "WorkerChannelError",
+        "score",
     ],
     "asyncrunner.sinks": [
         "CallbackSink",

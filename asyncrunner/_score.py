@@ -1,0 +1,502 @@
+"""``asyncrunner.score``: grid2op's competition scores (``grid2op.utils.Score*``) on warm pools.
+
+grid2op's score classes play two reference agents in their constructor (DoNothing, and
+RecoPowerline with ``NO_OVERFLOW_DISCONNECTION``), cache their ``EpisodeStatistics`` in the env's
+folder, then play the agent in ``get``: three phases, each with a new Runner. Here every episode
+(references and agents) is played at once. An ``AsyncRunner`` plays one agent on one env
+recipe, so there is one runner per (agent, parametrisation), all running concurrently in one
+task group and sharing the ``workers`` budget.
+
+The arithmetic stays grid2op's: the reference episodes go through ``EpisodeStatistics.compute``'s
+own post-processing (grid2op's layout, in our cache folder rather than the env's), and each
+episode's score is the score class's own ``_compute_episode_score``.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import hashlib
+import inspect
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+import anyio.to_thread
+
+from ._plan import check_path_save, chronic_names
+from ._runner import AsyncRunner
+
+__all__ = ["COMPETITIONS", "ScenarioScore", "ScoreResult", "score"]
+
+# Competition name -> grid2op's class (in grid2op.utils).
+COMPETITIONS = {
+    "l2rpn_2020": "ScoreL2RPN2020",
+    "l2rpn_wcci_2022": "ScoreL2RPN2022",
+    "l2rpn_2023": "ScoreL2RPN2023",
+    "icaps_2021": "ScoreICAPS2021",
+}
+# What each entry of a per-scenario score tuple holds, after the score itself.
+_COMPONENTS = {
+    "l2rpn_2023": ("operational", "renewables", "assistant"),
+    "icaps_2021": ("operational", "alarm"),
+}
+# Marks a cache entry grid2op's post-processing finished writing (written last).
+_COMPLETE = ".asyncrunner_complete"
+
+
+@dataclass(frozen=True)
+class ScenarioScore:
+    """One scenario's score: ``components`` are the competition's sub-scores (may be empty)."""
+
+    name: str
+    score: float
+    components: Mapping[str, float]
+    steps_survived: int
+    total_steps: int
+
+
+@dataclass(frozen=True)
+class ScoreResult:
+    """An agent's score: ``total`` is the mean of the scenarios' scores.
+
+    ``references_reused``: the reference statistics came from the cache. ``path``: the folder of
+    the agent's episodes (EpisodeData format), when ``path_save`` was given.
+    """
+
+    agent: str
+    competition: str
+    scenarios: tuple[ScenarioScore, ...]
+    references_reused: bool
+    path: str | None
+    grid2op_result: tuple[Any, ...] = field(repr=False)
+
+    @property
+    def total(self) -> float:
+        return sum(s.score for s in self.scenarios) / len(self.scenarios)
+
+    def as_grid2op(self) -> tuple[Any, ...]:
+        """What grid2op's ``Score*.get(agent)`` returns: ``(scores, ts_survived, total_ts)``."""
+        return self.grid2op_result
+
+
+@dataclass
+class _Reference:
+    attr: str  # the score object's attribute holding these statistics
+    name: str  # grid2op's statistics name
+    agent: Any  # the agent instance grid2op plays (None: DoNothing)
+    parameters: Any  # None: the env's
+    stats: Any = None
+    reused: bool = False
+
+
+def default_cache_dir() -> str:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "asyncrunner", "scores")
+
+
+def agent_label(agent: Any) -> str:
+    if isinstance(agent, type):
+        return agent.__name__
+    name = getattr(agent, "__name__", None)
+    return name if isinstance(name, str) else type(agent).__name__
+
+
+async def score(
+    env: Any,
+    agents: Any,
+    *,
+    competition: str,
+    nb_scenario: int | None = None,
+    max_step: int | None = None,
+    env_seeds: Sequence[int] | None = None,
+    agent_seeds: Sequence[int] | None = None,
+    workers: int | None = None,
+    path_save: str | os.PathLike[str] | None = None,
+    resume: bool = False,
+    cache_dir: str | os.PathLike[str] | None = None,
+) -> list[ScoreResult]:
+    """Score each of ``agents`` as grid2op's class for ``competition`` does; one result each.
+
+    ``agents``: one agent or a list, each as ``AsyncRunner(agent=...)`` takes it. Other
+    arguments mean what they mean for grid2op's class (``max_step``: steps per scenario).
+    ``workers``: worker processes in all (at least one per runner). ``path_save``: one folder per
+    agent and per reference, EpisodeData format; ``resume`` completes them. Reference statistics
+    are cached in ``cache_dir`` (default ``~/.cache/asyncrunner/scores``), keyed by everything
+    that changes them.
+    """
+    if competition not in COMPETITIONS:
+        raise ValueError(
+            f"unknown competition {competition!r}: choose one of {', '.join(COMPETITIONS)}"
+        )
+    agent_list = list(agents) if isinstance(agents, (list, tuple)) else [agents]
+    if not agent_list:
+        raise ValueError("`agents` is empty: pass an agent or a list of agents")
+    if resume and path_save is None:
+        raise ValueError("`resume=True` needs `path_save`: the folder of the score to resume")
+    if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int)):
+        raise ValueError(f"`workers` must be an integer >= 1, got {workers!r}")
+    if workers is not None and workers < 1:
+        raise ValueError(f"`workers` must be an integer >= 1, got {workers!r}")
+    plan = await anyio.to_thread.run_sync(
+        functools.partial(
+            _Plan.make, env, agent_list, competition=competition, nb_scenario=nb_scenario,
+            max_step=max_step, env_seeds=env_seeds, agent_seeds=agent_seeds,
+            path_save=path_save, cache_dir=cache_dir,
+        )
+    )  # fmt: skip
+    try:
+        return await _play_and_score(plan, competition, env_seeds, agent_seeds, workers, resume)
+    finally:
+        # Shielded: a cancelled score still closes its env copies and removes its temp folder.
+        with anyio.CancelScope(shield=True):
+            await anyio.to_thread.run_sync(plan.close)
+
+
+async def _play_and_score(
+    plan: _Plan,
+    competition: str,
+    env_seeds: Sequence[int] | None,
+    agent_seeds: Sequence[int] | None,
+    workers: int | None,
+    resume: bool,
+) -> list[ScoreResult]:
+    total = workers if workers is not None else (os.cpu_count() or 1)
+    # The runners share the workers budget (at least one process each).
+    each = max(1, min(plan.nb, total // len(plan.jobs)))
+    results: list[Any] = [None] * len(plan.jobs)
+
+    async def play(i: int, folder: str, job_env: Any, agent: Any) -> None:
+        async with AsyncRunner(job_env, agent=agent, workers=each) as runner:
+            results[i] = await runner.run(
+                plan.nb,
+                path_save=os.path.join(plan.root, folder),
+                max_iter=plan.max_iter,
+                env_seeds=env_seeds,
+                agent_seeds=agent_seeds,
+                resume=resume,
+            )
+
+    async with anyio.create_task_group() as group:
+        for i, (folder, job_env, agent) in enumerate(plan.jobs):
+            group.start_soon(play, i, folder, job_env, agent)
+    scorer = plan.scorer
+    for ref, episodes in zip(plan.todo, results, strict=False):
+        await anyio.to_thread.run_sync(
+            _compute_stats, scorer, ref, os.path.join(plan.root, ref.name), episodes, env_seeds,
+            agent_seeds,
+        )  # fmt: skip
+    for ref in plan.refs:
+        setattr(scorer, ref.attr, ref.stats)
+    scored = []
+    for label, episodes in zip(plan.labels, results[len(plan.todo) :], strict=True):
+        raw = await anyio.to_thread.run_sync(_grid2op_scores, scorer, episodes)
+        path = None if plan.tmp is not None else os.path.join(plan.root, label)
+        scored.append(_result(label, competition, raw, episodes, reused=not plan.todo, path=path))
+    return scored
+
+
+@dataclass
+class _Plan:
+    """What a score plays, built before any worker starts (off the event loop: it reads files
+    and copies the env)."""
+
+    scorer: Any
+    refs: list[_Reference]
+    todo: list[_Reference]  # the references not in the cache
+    labels: list[str]
+    nb: int
+    max_iter: int
+    root: str  # where every runner saves its episodes (one folder each)
+    tmp: tempfile.TemporaryDirectory[str] | None
+    jobs: list[tuple[str, Any, Any]]  # (folder, env, agent) of each runner: references first
+    envs: list[Any]
+
+    @classmethod
+    def make(
+        cls,
+        env: Any,
+        agents: list[Any],
+        *,
+        competition: str,
+        nb_scenario: int | None,
+        max_step: int | None,
+        env_seeds: Sequence[int] | None,
+        agent_seeds: Sequence[int] | None,
+        path_save: str | os.PathLike[str] | None,
+        cache_dir: str | os.PathLike[str] | None,
+    ) -> _Plan:
+        from grid2op.Agent import DoNothingAgent
+
+        scorer, refs = _scorer(
+            competition, env, nb_scenario=nb_scenario, max_step=max_step,
+            env_seeds=env_seeds, agent_seeds=agent_seeds,
+        )  # fmt: skip
+        labels = _unique([agent_label(a) for a in agents])
+        cache_root = os.path.abspath(cache_dir if cache_dir is not None else default_cache_dir())
+        for ref in refs:
+            ref.stats = _stats_for(scorer, ref, cache_root, env_seeds, agent_seeds)
+            ref.reused = os.path.isfile(os.path.join(ref.stats.path_save_stats, _COMPLETE))
+        todo = [ref for ref in refs if not ref.reused]
+        if path_save is not None:
+            path_save = check_path_save(path_save)
+        tmp = None
+        if path_save is None:
+            tmp = tempfile.TemporaryDirectory(prefix="asyncrunner-score-")
+        root = os.path.abspath(path_save if path_save is not None else tmp.name)  # type: ignore[union-attr]
+        envs: dict[str, Any] = {}
+        jobs: list[tuple[str, Any, Any]] = []
+        for ref in todo:
+            params = ref.parameters if ref.parameters is not None else env.parameters
+            agent = DoNothingAgent if ref.agent is None else type(ref.agent)
+            jobs.append((ref.name, _scored_env(env, scorer, params, envs), agent))
+        for label, agent in zip(labels, agents, strict=True):
+            jobs.append((label, _scored_env(env, scorer, env.parameters, envs), agent))
+        return cls(
+            scorer, refs, todo, labels, int(scorer.nb_scenario), int(scorer.max_step), root, tmp,
+            jobs, list(envs.values()),
+        )  # fmt: skip
+
+    def close(self) -> None:
+        for env in self.envs:
+            env.close()
+        if self.tmp is not None:
+            self.tmp.cleanup()
+
+
+def _unique(labels: list[str]) -> list[str]:
+    seen: dict[str, int] = {}
+    out = []
+    for label in labels:
+        n = seen.get(label, 0)
+        seen[label] = n + 1
+        out.append(label if n == 0 else f"{label}_{n + 1}")
+    return out
+
+
+def _scorer(
+    competition: str,
+    env: Any,
+    *,
+    nb_scenario: int | None,
+    max_step: int | None,
+    env_seeds: Sequence[int] | None,
+    agent_seeds: Sequence[int] | None,
+) -> tuple[Any, list[_Reference]]:
+    """grid2op's score object for these arguments, with its references noted, not computed."""
+    import grid2op.utils
+
+    cls = getattr(grid2op.utils, COMPETITIONS[competition])
+    scorer = cls.__new__(cls)
+    refs: list[_Reference] = []
+
+    # The constructor asks _init_stat for each reference: note what it would compute.
+    def note(
+        stat: Any, stat_name: str, computed: Any, parameters: Any = None,
+        nb_process_stats: int = 1, agent: Any = None, score_names: Any = None,
+    ) -> bool:  # fmt: skip
+        attr = next(a for a, v in vars(scorer).items() if v is stat)
+        refs.append(_Reference(attr, stat_name, agent, parameters))
+        return False
+
+    scorer._init_stat = note
+    kwargs: dict[str, Any] = {"env_seeds": env_seeds, "agent_seeds": agent_seeds}
+    if nb_scenario is not None:
+        kwargs["nb_scenario"] = nb_scenario
+    if max_step is not None:
+        kwargs["max_step"] = max_step
+    accepted = inspect.signature(cls.__init__).parameters
+    cls.__init__(scorer, env, **{k: v for k, v in kwargs.items() if k in accepted})
+    del scorer._init_stat
+    _check_counts(int(scorer.nb_scenario), env_seeds, agent_seeds, chronic_names(env))
+    return scorer, refs
+
+
+def _check_counts(
+    nb: int,
+    env_seeds: Sequence[int] | None,
+    agent_seeds: Sequence[int] | None,
+    names: list[str] | None,
+) -> None:
+    if nb < 1:
+        raise ValueError(f"`nb_scenario` must be >= 1, got {nb}")
+    if names is not None and nb > len(names):
+        # grid2op's classes would replay a chronic, whose statistics overwrite the first's.
+        raise ValueError(
+            f"`nb_scenario` is {nb} but the env has {len(names)} scenarios (chronics): "
+            f"ask for at most {len(names)}"
+        )
+    for name, seeds in (("env_seeds", env_seeds), ("agent_seeds", agent_seeds)):
+        if seeds is not None and len(seeds) != nb:
+            raise ValueError(f"`{name}` has {len(seeds)} seeds for {nb} scenarios: give one each")
+
+
+def _stats_for(
+    scorer: Any,
+    ref: _Reference,
+    cache_root: str,
+    env_seeds: Sequence[int] | None,
+    agent_seeds: Sequence[int] | None,
+) -> Any:
+    """grid2op's ``EpisodeStatistics`` for ``ref``, in a cache folder named by what makes it."""
+    import grid2op
+    from grid2op.utils.underlying_statistics import EpisodeStatistics
+
+    class Stats(EpisodeStatistics):  # type: ignore[misc]  # grid2op is untyped
+        # The runners already played the episodes into path_save_stats: compute() only does
+        # grid2op's post-processing of them.
+        @staticmethod
+        def run_env(**kwargs: Any) -> None:
+            return None
+
+    env = scorer.env
+    params = ref.parameters if ref.parameters is not None else env.parameters
+    key = {
+        "grid2op": grid2op.__version__,
+        "score": type(scorer).__name__,
+        "reference": ref.name,
+        "agent": "DoNothingAgent" if ref.agent is None else type(ref.agent).__name__,
+        "env": os.path.realpath(env.get_path_env()),
+        "env_name": env.env_name,
+        "chronics": sorted(map(str, getattr(env.chronics_handler.real_data, "subpaths", []))),
+        "nb_scenario": int(scorer.nb_scenario),
+        "max_step": int(scorer.max_step),
+        "env_seeds": None if env_seeds is None else [int(s) for s in env_seeds],
+        "agent_seeds": None if agent_seeds is None else [int(s) for s in agent_seeds],
+        "parameters": params.to_dict(),
+        "backend": f"{type(env.backend).__module__}.{type(env.backend).__name__}",
+        "reward": str(env._reward_helper.rewardClass),
+        "other_rewards": sorted(f"{k}={v.rewardClass}" for k, v in env.other_rewards.items()),
+        "scores": str(scorer.scores_func),
+    }
+    digest = hashlib.blake2b(json.dumps(key, sort_keys=True).encode(), digest_size=12)
+    stats = Stats(env, ref.name)
+    folder = os.path.join(cache_root, f"{env.env_name}-{digest.hexdigest()}")
+    stats.path_save_stats = os.path.join(folder, EpisodeStatistics.get_name_dir(ref.name))
+    return stats
+
+
+def _scored_env(env: Any, scorer: Any, parameters: Any, envs: dict[str, Any]) -> Any:
+    """A copy of ``env`` with the competition's score functions as other rewards (as grid2op's
+    ``EpisodeStatistics.run_env`` adds them) and ``parameters``; one per parametrisation."""
+    from grid2op.Reward.rewardHelper import RewardHelper
+    from grid2op.utils.underlying_statistics import EpisodeStatistics
+
+    key = json.dumps(parameters.to_dict(), sort_keys=True)
+    built = envs.get(key)
+    if built is not None:
+        return built
+    scored = env.copy()
+    funcs = scorer.scores_func
+    named = (
+        {EpisodeStatistics.KEY_SCORE: funcs}
+        if not isinstance(funcs, dict)
+        else {f"{EpisodeStatistics.KEY_SCORE}_{k}": v for k, v in funcs.items()}
+    )
+    for name, func in named.items():
+        helper = RewardHelper(func, scored.logger)
+        helper.initialize(scored)
+        scored.other_rewards[name] = helper
+    if parameters.to_dict() != env.parameters.to_dict():
+        scored.change_parameters(copy.deepcopy(parameters))
+        scored.reset()  # parameters apply from the next reset
+    envs[key] = scored
+    return scored
+
+
+def _compute_stats(
+    scorer: Any,
+    ref: _Reference,
+    played: str,
+    episodes: Sequence[Any],
+    env_seeds: Sequence[int] | None,
+    agent_seeds: Sequence[int] | None,
+) -> None:
+    """grid2op's ``EpisodeStatistics.compute`` post-processing of the episodes in ``played``."""
+    from grid2op.Agent import DoNothingAgent
+
+    stats = ref.stats
+    target = stats.path_save_stats
+    if os.path.exists(target):
+        shutil.rmtree(target)  # an incomplete entry (no _COMPLETE)
+    os.makedirs(os.path.dirname(target), exist_ok=True)
+    # compute() rewrites the folder, and grid2op checks the statistics against their final path:
+    # copy this score's episodes there (path_save keeps them whole) and process them in place.
+    # Each under its chronic's name, as grid2op's Runner saves it: path_save may also hold an
+    # earlier run's episodes, and then this run's are <chronic>_1, ...
+    os.makedirs(target)
+    for entry in os.scandir(played):
+        if entry.is_file():  # the spaces' descriptions
+            shutil.copy2(entry.path, target)
+    for episode in episodes:
+        shutil.copytree(episode.path, os.path.join(target, episode.name))
+    agent = ref.agent if ref.agent is not None else DoNothingAgent(scorer.env.action_space)
+    stats.compute(
+        agent=agent,
+        parameters=ref.parameters,
+        nb_scenario=len(episodes),
+        scores_func=scorer.scores_func,
+        max_step=scorer.max_step,
+        env_seeds=env_seeds,
+        agent_seeds=agent_seeds,
+    )
+    stats.clear_episode_data()
+    with open(os.path.join(target, _COMPLETE), "w", encoding="utf-8") as f:
+        f.write("written by asyncrunner.score once grid2op's post-processing finished\n")
+
+
+def _grid2op_scores(scorer: Any, episodes: Sequence[Any]) -> tuple[Any, ...]:
+    """``get``'s loop over the scenarios, on the agent's saved episodes (grid2op reads the same
+    two files from the folders its Runner saves)."""
+    from grid2op.Episode import EpisodeData
+
+    meta_dn = scorer.stat_dn.get_metadata()
+    meta_rp = scorer.stat_no_overflow_rp.get_metadata()
+    all_scores, ts_survived, total_ts = [], [], []
+    for ep_id in range(int(scorer.nb_scenario)):
+        folder = episodes[ep_id].path
+        with open(os.path.join(folder, EpisodeData.META_FILE), encoding="utf-8") as f:
+            meta = json.load(f)
+        with open(os.path.join(folder, EpisodeData.OTHER_REWARDS_FILE), encoding="utf-8") as f:
+            other_rewards = json.load(f)
+        value, survived, total = scorer._compute_episode_score(
+            ep_id,
+            meta=meta,
+            other_rewards=other_rewards,
+            dn_metadata=meta_dn,
+            no_ov_metadata=meta_rp,
+        )
+        all_scores.append(value)
+        ts_survived.append(survived)
+        total_ts.append(total)
+    return all_scores, ts_survived, total_ts
+
+
+def _result(
+    label: str,
+    competition: str,
+    raw: tuple[Any, ...],
+    episodes: Sequence[Any],
+    *,
+    reused: bool,
+    path: str | None,
+) -> ScoreResult:
+    names = _COMPONENTS.get(competition, ())
+    scenarios = []
+    for value, survived, total, episode in zip(*raw, episodes, strict=True):
+        parts = tuple(value) if names else (value,)
+        scenarios.append(
+            ScenarioScore(
+                name=str(episode.name),
+                score=float(parts[0]),
+                components={n: float(v) for n, v in zip(names, parts[1:], strict=True)},
+                steps_survived=int(survived),
+                total_steps=int(total),
+            )
+        )
+    return ScoreResult(label, competition, tuple(scenarios), reused, path, raw)

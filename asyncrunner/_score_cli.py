@@ -1,0 +1,207 @@
+"""``asyncrunner score ENV --agent SPEC [--agent SPEC2 ...] --competition NAME``: grid2op's
+competition score of one or more agents, side by side on the same scenarios and seeds.
+
+Prints one row per scenario (each agent's score and steps survived) and the totals; ``--json``
+prints the same as JSON; ``--plot FILE.png`` draws score per scenario and survival.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+from ._cli import (
+    _QUIET,
+    DEFAULT_ENV,
+    _count,
+    _derive_seeds,
+    _load_agent,
+    _make_env,
+    _max_iter,
+    _Parser,
+    _UsageError,
+)
+from ._exceptions import EpisodeError
+from ._score import COMPETITIONS, ScoreResult, score
+
+__all__ = ["main"]
+
+
+def _parser() -> _Parser:
+    parser = _Parser(
+        prog="asyncrunner score",
+        description=(
+            "Score agents as grid2op's competition classes do (grid2op.utils.ScoreL2RPN2020, "
+            "ScoreL2RPN2022, ScoreL2RPN2023, ScoreICAPS2021): the reference agents and every "
+            "agent play the same scenarios at once."
+        ),
+    )
+    parser.add_argument("env", metavar="ENV", nargs="?", default=DEFAULT_ENV)
+    parser.add_argument(
+        "--agent",
+        action="append",
+        required=True,
+        metavar="SPEC",
+        help="a grid2op.Agent name, module:Name or path/to/file.py:Name (repeat to compare)",
+    )
+    parser.add_argument("--competition", required=True, choices=sorted(COMPETITIONS))
+    parser.add_argument("--nb-scenario", type=_count(1), default=None, metavar="N")
+    parser.add_argument("--max-step", type=_max_iter, default=None, metavar="M")
+    parser.add_argument("--seed", type=_count(0), default=None, metavar="S")
+    parser.add_argument("--workers", type=_count(1), default=None, metavar="W")
+    parser.add_argument("--save", default=None, metavar="DIR", help="one folder per agent")
+    parser.add_argument("--resume", action="store_true", help="with --save: complete a score")
+    parser.add_argument("--json", action="store_true", help="print the results as JSON")
+    parser.add_argument("--plot", default=None, metavar="FILE.png")
+    parser.add_argument("--test", action=argparse.BooleanOptionalAction, default=None)
+    parser.add_argument("--backend", choices=("lightsim", "pandapower"), default=None)
+    parser.add_argument("--cache-dir", default=None, metavar="DIR")
+    return parser
+
+
+def main(argv: Sequence[str]) -> int:
+    """Entry point of ``asyncrunner score``; returns the exit status."""
+    for message in _QUIET:
+        warnings.filterwarnings("ignore", message=message)
+    parser = _parser()
+    args = parser.parse_args(list(argv))
+    if args.resume and args.save is None:
+        parser.error("--resume needs --save DIR: the folder of the score to resume")
+    if args.plot is not None and not args.plot.lower().endswith(".png"):
+        parser.error(f"--plot writes a PNG file: give a name ending in .png, not {args.plot!r}")
+    try:
+        agents = [_load_agent(spec) for spec in args.agent]
+        env = _make_env(args.env, test=args.test, backend=args.backend)
+    except _UsageError as exc:
+        parser.error(str(exc))
+    try:
+        nb = args.nb_scenario
+        seeds: tuple[Any, Any] = (None, None)
+        if args.seed is not None:
+            if nb is None:
+                parser.error("--seed needs --nb-scenario N (one seed pair per scenario)")
+            seeds = _derive_seeds(args.seed, nb)
+        results = asyncio.run(
+            score(
+                env,
+                agents,
+                competition=args.competition,
+                nb_scenario=nb,
+                max_step=args.max_step,
+                env_seeds=seeds[0],
+                agent_seeds=seeds[1],
+                workers=args.workers,
+                path_save=args.save,
+                resume=args.resume,
+                cache_dir=args.cache_dir,
+            )
+        )
+    except ValueError as exc:
+        parser.error(str(exc))
+    except EpisodeError as exc:
+        print(f"asyncrunner score: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        again = " (add --resume to complete it)" if args.save else ""
+        print(f"asyncrunner score: interrupted{again}", file=sys.stderr)
+        return 130
+    finally:
+        env.close()
+    if args.json:
+        print(json.dumps([_as_dict(r) for r in results], indent=2))
+    else:
+        _print_table(results)
+    if args.plot is not None:
+        figure(results).savefig(args.plot)
+        print(f"plot written to {args.plot}", file=sys.stderr if args.json else sys.stdout)
+    return 0
+
+
+def _as_dict(result: ScoreResult) -> dict[str, Any]:
+    return {
+        "agent": result.agent,
+        "competition": result.competition,
+        "total": result.total,
+        "references_reused": result.references_reused,
+        "path": result.path,
+        "scenarios": [
+            {
+                "name": s.name,
+                "score": s.score,
+                "components": dict(s.components),
+                "steps_survived": s.steps_survived,
+                "total_steps": s.total_steps,
+            }
+            for s in result.scenarios
+        ],
+    }
+
+
+def _print_table(results: Sequence[ScoreResult]) -> None:
+    header = ["scenario"]
+    for r in results:
+        header += [f"{r.agent} score", "survived"]
+    rows = []
+    for i, first in enumerate(results[0].scenarios):
+        row = [first.name]
+        for r in results:
+            s = r.scenarios[i]
+            row += [f"{s.score:.2f}", f"{s.steps_survived}/{s.total_steps}"]
+        rows.append(row)
+    total = ["total"]
+    for r in results:
+        survived = sum(s.steps_survived for s in r.scenarios)
+        steps = sum(s.total_steps for s in r.scenarios)
+        total += [f"{r.total:.2f}", f"{survived}/{steps}"]
+    rows.append(total)
+    widths = [max([len(h), *(len(row[i]) for row in rows)]) for i, h in enumerate(header)]
+    for row in [header, *rows]:
+        cells = [c.ljust(widths[0]) if i == 0 else c.rjust(widths[i]) for i, c in enumerate(row)]
+        print("  ".join(cells).rstrip())
+    reused = results[0].references_reused
+    print(
+        f"{results[0].competition}: the total is the mean of the scenarios' scores; reference "
+        f"statistics {'reused from the cache' if reused else 'computed in this run (now cached)'}"
+    )
+
+
+def figure(results: Sequence[ScoreResult]) -> Any:
+    """Score per scenario per agent (grouped bars) and steps survived (a matplotlib Figure)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    names = [s.name for s in results[0].scenarios]
+    x = np.arange(len(names))
+    width = 0.8 / len(results)
+    fig, (scores, survival) = plt.subplots(1, 2, figsize=(13, 5.2))
+    # The scenario's length behind each group of survival bars.
+    lengths = [s.total_steps for s in results[0].scenarios]
+    survival.bar(x, lengths, 0.9, color="lightgrey", label="scenario length")
+    for i, r in enumerate(results):
+        offset = (i - (len(results) - 1) / 2) * width
+        label = f"{r.agent} (total {r.total:.1f})"
+        bars = scores.bar(x + offset, [s.score for s in r.scenarios], width, label=label)
+        # A score of 0 (DoNothing's level) draws no bar: its value says it is there.
+        scores.bar_label(bars, fmt="%.1f", fontsize="x-small", padding=2)
+        survival.bar(x + offset, [s.steps_survived for s in r.scenarios], width, label=r.agent)
+    scores.axhline(0, color="grey", linewidth=0.8)
+    # grid2op's scores range from -100 (game over at once) to 100; 0 is DoNothing's.
+    scores.set_ylim(-110, 110)
+    scores.set(xlabel="scenario", ylabel="score", title=f"Score ({results[0].competition})")
+    survival.set_ylim(0, 1.1 * max(lengths))
+    survival.set(xlabel="scenario", ylabel="steps survived", title="Survival")
+    for ax in (scores, survival):
+        ax.set_xticks(x, names, rotation=45, ha="right")
+        # Below the axes, so the legend never covers a bar.
+        ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.22), ncol=2, fontsize="small")
+    fig.tight_layout()
+    plt.close(fig)
+    return fig

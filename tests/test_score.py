@@ -1,0 +1,230 @@
+"""``asyncrunner.score``: grid2op's competition scores, equal to grid2op's own classes."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import asyncrunner
+from tests.conftest import make_env
+
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    import grid2op
+    import grid2op.utils
+    from grid2op.Agent import DoNothingAgent, RandomAgent, RecoPowerlineAgent
+    from grid2op.Episode import EpisodeData
+    from grid2op.utils.underlying_statistics import EpisodeStatistics
+
+pytestmark = [pytest.mark.anyio, pytest.mark.filterwarnings("ignore")]
+
+
+def env_copy(name: str, where: Path) -> Any:
+    """The wheel's env ``name``, made from a copy in ``where``: grid2op's score classes write their
+    statistics inside the env's folder, which must not touch (or come from) the installed one."""
+    source = make_env(name)
+    folder = where / name
+    shutil.copytree(source.get_path_env(), folder)
+    source.close()
+    return make_env(str(folder))
+
+
+# (competition, grid2op's class, env, its number of chronics, second agent): RandomAgent's action
+# list is too big on l2rpn_idf_2023 (147,896 actions), so a line-reconnecting agent stands in.
+CASES = [
+    ("l2rpn_2020", "ScoreL2RPN2020", "l2rpn_case14_sandbox", 2, RandomAgent),
+    ("l2rpn_wcci_2022", "ScoreL2RPN2022", "l2rpn_wcci_2022_dev", 1, RandomAgent),
+    ("icaps_2021", "ScoreICAPS2021", "l2rpn_icaps_2021", 2, RandomAgent),
+    ("l2rpn_2023", "ScoreL2RPN2023", "l2rpn_idf_2023", 2, RecoPowerlineAgent),
+]
+SEEDS = [3, 7]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+@pytest.mark.parametrize(("competition", "cls", "name", "nb", "second"), CASES)
+async def test_score_equals_grid2ops_class_for_two_agents(
+    tmp_path: Path, competition: str, cls: str, name: str, nb: int, second: type
+) -> None:
+    ours_env = env_copy(name, tmp_path / "ours")
+    theirs_env = env_copy(name, tmp_path / "theirs")
+    try:
+        scorer = getattr(grid2op.utils, cls)(
+            theirs_env, nb_scenario=nb, max_step=20, env_seeds=SEEDS[:nb], agent_seeds=SEEDS[:nb]
+        )
+        expected = [
+            scorer.get(DoNothingAgent(theirs_env.action_space)),
+            scorer.get(second(theirs_env.action_space)),
+        ]
+        results = await asyncrunner.score(
+            ours_env,
+            [DoNothingAgent, second],
+            competition=competition,
+            nb_scenario=nb,
+            max_step=20,
+            env_seeds=SEEDS[:nb],
+            agent_seeds=SEEDS[:nb],
+            workers=2,
+            cache_dir=tmp_path / "cache",
+        )
+        assert [r.as_grid2op() for r in results] == expected
+        assert [r.agent for r in results] == ["DoNothingAgent", second.__name__]
+        for result, (scores, survived, total) in zip(results, expected, strict=True):
+            assert [s.steps_survived for s in result.scenarios] == survived
+            assert [s.total_steps for s in result.scenarios] == total
+            firsts = [s[0] if isinstance(s, tuple) else s for s in scores]
+            assert [s.score for s in result.scenarios] == [float(v) for v in firsts]
+            assert result.total == pytest.approx(sum(firsts) / len(firsts))
+        # Nothing written in the env's folder (grid2op's classes cache there).
+        assert EpisodeStatistics.list_stats(ours_env) == []
+    finally:
+        ours_env.close()
+        theirs_env.close()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_reference_statistics_are_reused_and_invalidated(tmp_path: Path) -> None:
+    env = env_copy("l2rpn_case14_sandbox", tmp_path)
+    cache = tmp_path / "cache"
+
+    async def once(seeds: list[int], agent: Any = RecoPowerlineAgent) -> Any:
+        (result,) = await asyncrunner.score(
+            env, agent, competition="l2rpn_2020", nb_scenario=1, max_step=8,
+            env_seeds=seeds, agent_seeds=seeds, workers=2, cache_dir=cache,
+        )  # fmt: skip
+        return result
+
+    try:
+        first = await once([1])
+        assert not first.references_reused
+        again = await once([1], DoNothingAgent)
+        assert again.references_reused  # another agent: same references
+        other_seed = await once([2])
+        assert not other_seed.references_reused
+        params = env.parameters
+        params.NB_TIMESTEP_COOLDOWN_LINE = params.NB_TIMESTEP_COOLDOWN_LINE + 1
+        env.change_parameters(params)
+        env.reset()
+        changed = await once([1])
+        assert not changed.references_reused  # grid2op would reuse them here
+        assert (await once([1])).references_reused
+        assert first.as_grid2op() == (await once([1])).as_grid2op()  # cached = recomputed
+    finally:
+        env.close()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_path_save_keeps_each_agent_and_reference_and_resumes(tmp_path: Path) -> None:
+    env = env_copy("l2rpn_case14_sandbox", tmp_path)
+    save = tmp_path / "scores"
+    kwargs: dict[str, Any] = {
+        "competition": "l2rpn_2020", "nb_scenario": 2, "max_step": 10, "env_seeds": SEEDS,
+        "agent_seeds": SEEDS, "workers": 2, "cache_dir": tmp_path / "cache", "path_save": save,
+    }  # fmt: skip
+    try:
+        results = await asyncrunner.score(env, [DoNothingAgent, RandomAgent], **kwargs)
+        folders = sorted(p.name for p in save.iterdir())
+        assert folders == ["DoNothingAgent", "RandomAgent", "l2rpn_dn", "l2rpn_no_overflow_reco"]
+        for folder in folders:
+            episodes = EpisodeData.list_episode(str(save / folder))
+            assert len(episodes) == 2
+            assert len(EpisodeData.from_disk(*episodes[0]).observations) >= 1
+        assert results[1].path == str(save / "RandomAgent")
+        # An interrupted score: one agent's episode missing. resume plays only that one.
+        shutil.rmtree(save / "RandomAgent" / results[1].scenarios[1].name)
+        resumed = await asyncrunner.score(env, [DoNothingAgent, RandomAgent], resume=True, **kwargs)
+        assert [r.as_grid2op() for r in resumed] == [r.as_grid2op() for r in results]
+        assert resumed[0].references_reused
+    finally:
+        env.close()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"competition": "l2rpn_2099"}, "unknown competition"),
+        ({"competition": "l2rpn_2020", "env_seeds": [1]}, "`env_seeds` has 1 seeds for 2"),
+        ({"competition": "l2rpn_2020", "resume": True}, "`resume=True` needs `path_save`"),
+        ({"competition": "l2rpn_2020", "workers": 0}, "`workers` must be an integer >= 1"),
+        ({"competition": "l2rpn_2020", "nb_scenario": 99}, r"the env has \d+ scenarios"),
+    ],
+)
+async def test_bad_arguments_fail_before_any_episode(
+    env: Any, tmp_path: Path, kwargs: dict[str, Any], message: str
+) -> None:
+    with pytest.raises(ValueError, match=message):
+        await asyncrunner.score(
+            env, DoNothingAgent, **{"nb_scenario": 2, "cache_dir": tmp_path / "cache", **kwargs}
+        )
+    assert not (tmp_path / "cache").exists()
+
+
+@pytest.mark.slow
+def test_cli_score_prints_table_json_and_plot(tmp_path: Path) -> None:
+    env = env_copy("l2rpn_case14_sandbox", tmp_path)
+    folder = env.get_path_env()
+    env.close()
+    command = [
+        sys.executable, "-m", "asyncrunner", "score", folder, "--test",
+        "--agent", "DoNothingAgent", "--agent", "RecoPowerlineAgent",
+        "--competition", "l2rpn_2020", "--nb-scenario", "2", "--max-step", "6", "--seed", "0",
+        "--workers", "2", "--cache-dir", str(tmp_path / "cache"),
+    ]  # fmt: skip
+    environ = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])}
+    table = subprocess.run(
+        [*command, "--plot", str(tmp_path / "score.png")],
+        capture_output=True, text=True, timeout=600, env=environ, check=True,
+    )  # fmt: skip
+    lines = table.stdout.splitlines()
+    assert lines[0].split() == [
+        "scenario", "DoNothingAgent", "score", "survived", "RecoPowerlineAgent", "score", "survived"
+    ]  # fmt: skip
+    assert lines[3].startswith("total")
+    assert "computed in this run" in table.stdout
+    assert (tmp_path / "score.png").stat().st_size > 0
+    second = subprocess.run(
+        [*command, "--json"], capture_output=True, text=True, timeout=600, env=environ, check=True
+    )
+    data = json.loads(second.stdout)
+    assert [d["agent"] for d in data] == ["DoNothingAgent", "RecoPowerlineAgent"]
+    assert all(d["references_reused"] for d in data)
+    assert [len(d["scenarios"]) for d in data] == [2, 2]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_a_save_folder_holding_an_earlier_score_gives_the_same_references(
+    tmp_path: Path,
+) -> None:
+    env = env_copy("l2rpn_case14_sandbox", tmp_path)
+    kwargs: dict[str, Any] = {
+        "competition": "l2rpn_2020", "nb_scenario": 1, "env_seeds": [5],
+        "agent_seeds": [5], "workers": 2, "path_save": tmp_path / "scores",
+    }  # fmt: skip
+    try:
+        # An earlier, longer score in the same folder...
+        await asyncrunner.score(env, RandomAgent, cache_dir=tmp_path / "a", **kwargs, max_step=12)
+        # ...then this one, with an empty cache: its references play again beside the earlier
+        # ones (<chronic>_1); only this score's go into the statistics.
+        (ours,) = await asyncrunner.score(
+            env, RandomAgent, cache_dir=tmp_path / "b", **kwargs, max_step=6
+        )
+        assert not ours.references_reused
+        alone = {**kwargs, "path_save": None}
+        (fresh,) = await asyncrunner.score(
+            env, RandomAgent, cache_dir=tmp_path / "c", **alone, max_step=6
+        )
+        assert ours.as_grid2op() == fresh.as_grid2op()
+        assert len(EpisodeData.list_episode(str(tmp_path / "scores" / "l2rpn_dn"))) == 2
+    finally:
+        env.close()
