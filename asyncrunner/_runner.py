@@ -14,6 +14,7 @@ from typing import Any, Literal, TypeVar
 import anyio
 import anyio.to_process
 from anyio.abc import AsyncResource, Process, TaskGroup
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from ._central import CentralAgent, is_async_agent
 from ._channel import Channel
@@ -165,7 +166,10 @@ class AsyncRunner(AsyncResource):
         self._pool: ForkPool | None = None
         self._pids: set[int] = set()
         self._warm_group: TaskGroup | None = None
-        self._warmed: anyio.Event | None = None
+        # Warm-up workers not yet promised to a call, and their "ready" signals.
+        self._warm_left = 0
+        self._warm_send: MemoryObjectSendStream[None] | None = None
+        self._warm_ready: MemoryObjectReceiveStream[None] | None = None
         self._closed = False
 
     # --- the pool ------------------------------------------------------------------------------
@@ -174,27 +178,24 @@ class AsyncRunner(AsyncResource):
         self._check_open()
         # Start the workers and build their envs now, while the caller prepares its first run.
         # No more than the CPUs: more would not be ready sooner, and a run of fewer episodes
-        # would not use them. Runs wait for the warm-up rather than start more processes.
+        # would not use them. A run's first calls take these workers as they become ready
+        # rather than start more processes (see _call).
+        count = min(self.workers, os.cpu_count() or 1)
+        self._warm_left = count
+        self._warm_send, self._warm_ready = anyio.create_memory_object_stream[None](count)
         self._warm_group = anyio.create_task_group()
         await self._warm_group.__aenter__()
-        self._warmed = anyio.Event()
-        self._warm_group.start_soon(self._warm_up, min(self.workers, os.cpu_count() or 1))
+        for _ in range(count):
+            self._warm_group.start_soon(self._warm_one, self._warm_send)
         return self
 
-    async def _warm_up(self, count: int) -> None:
-        assert self._warmed is not None
-        try:
-            async with anyio.create_task_group() as group:
-                for _ in range(count):
-                    group.start_soon(self._warm_one)
-        finally:
-            self._warmed.set()
-
-    async def _warm_one(self) -> None:
+    async def _warm_one(self, ready: MemoryObjectSendStream[None]) -> None:
         try:
             self._pids.add(await self._submit(warm, self._recipe_key, self._recipe_bytes))
         except Exception:
             pass  # the first episode on this worker reports the same error, with its context
+        finally:
+            ready.send_nowait(None)  # its worker is free (or gone), even when cancelled
 
     async def aclose(self) -> None:
         """Stop the warm-up, then the worker processes this runner used (idle ones)."""
@@ -205,6 +206,9 @@ class AsyncRunner(AsyncResource):
         if group is not None:
             group.cancel_scope.cancel()
             await group.__aexit__(None, None, None)
+        for stream in (self._warm_send, self._warm_ready):
+            if stream is not None:
+                stream.close()
         with anyio.CancelScope(shield=True):
             await self._stop_workers()
 
@@ -249,8 +253,9 @@ class AsyncRunner(AsyncResource):
         channel.pids = self._pids
 
     async def _call(self, fn: Callable[..., T], *args: Any) -> T:
-        if self._warmed is not None:
-            await self._warmed.wait()
+        if self._warm_left and self._warm_ready is not None:
+            self._warm_left -= 1
+            await self._warm_ready.receive()  # a warm-up call ended: its worker is idle
         return await self._submit(fn, *args)
 
     async def _submit(self, fn: Callable[..., T], *args: Any) -> T:
