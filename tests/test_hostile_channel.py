@@ -3,9 +3,11 @@ limit, more workers than anyio's thread pool, absurd `workers`, a Dask dashboard
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import logging
+import multiprocessing
 import os
 import pickle
 import resource
@@ -16,6 +18,7 @@ import sys
 import tempfile
 import time
 from collections.abc import AsyncIterator
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -335,8 +338,9 @@ class Unhurried(BaseAgent):  # type: ignore[misc]  # grid2op is untyped
 
 @pytest.mark.slow
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])
+@pytest.mark.parametrize("pool", ["forked", "executor"])
 async def test_a_writer_waiting_for_a_thread_does_not_hang_the_run(
-    env: Any, tmp_path: Path
+    env: Any, tmp_path: Path, pool: str
 ) -> None:
     # 41 workers against anyio's 40 threads, in small: 3 workers, 2 threads. The short first
     # episode ends; its writer waits for a thread behind the third worker; the two long
@@ -344,16 +348,21 @@ async def test_a_writer_waiting_for_a_thread_does_not_hang_the_run(
     # thread while it played) never ended to free one.
     limiter = anyio.to_thread.current_default_thread_limiter()
     total = limiter.total_tokens
-    async with AsyncRunner(env, agent=Unhurried, workers=3) as runner:
-        await runner.run(3, max_iter=1)  # every worker started, its env built
-        limiter.total_tokens = 2
-        try:
-            with anyio.fail_after(120):
-                results = await runner.run(
-                    3, path_save=tmp_path, reset_options=[{"max step": 2}, {}, {}]
-                )
-        finally:
-            limiter.total_tokens = total
+    with contextlib.ExitStack() as stack:
+        executor = None
+        if pool == "executor":  # its futures were waited for in those threads too
+            context = multiprocessing.get_context("fork")
+            executor = stack.enter_context(ProcessPoolExecutor(3, mp_context=context))
+        async with AsyncRunner(env, agent=Unhurried, workers=3, executor=executor) as runner:
+            await runner.run(3, max_iter=1)  # every worker started, its env built
+            limiter.total_tokens = 2
+            try:
+                with anyio.fail_after(120):
+                    results = await runner.run(
+                        3, path_save=tmp_path, reset_options=[{"max step": 2}, {}, {}]
+                    )
+            finally:
+                limiter.total_tokens = total
     assert [r.nb_time_step for r in results] == [2, 575, 575]
     assert all([r.path is not None and await anyio.Path(r.path).is_dir() for r in results])
 
