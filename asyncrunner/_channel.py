@@ -1,11 +1,16 @@
 """The channel that carries events from worker processes back to the event loop.
 
 A run listens on a Unix socket inside a fresh private folder (mode 0700: other users of the machine
-cannot connect). A worker connects once per run, sends a hello frame holding the run's secret
-token, then length-prefixed pickled events. The token is checked before anything is unpickled;
-connections that fail the check are closed and counted in ``rejected``. The loop only ever awaits
-socket reads, so a busy worker never blocks it, and a full inbox stops the reads: the socket's
-buffer fills and the worker waits (backpressure, nothing dropped).
+cannot connect), named after the process that owns it so that a later run removes the folders of
+runs whose process is gone (a killed run cannot remove its own). A worker connects once per run,
+sends a hello frame holding the run's secret token, then length-prefixed pickled events. The token
+is checked before anything is unpickled. Whatever one connection does ends that connection only:
+a bad or missing hello, a frame that cannot be read, or waiting for its hello while
+``_MAX_WAITING`` newer connections arrived (strangers must not use up this process's open files)
+closes it and counts it in ``rejected``; running out of open files while accepting drops the
+connection waiting longest for its hello, or waits, rather than end the run. The loop only ever
+awaits socket reads, so a busy worker never blocks it, and a full inbox stops the reads: the
+socket's buffer fills and the worker waits (backpressure, nothing dropped).
 
 For workers on other machines (a Dask cluster) the run listens on TCP instead
 (``open_channel(listen="tcp://HOST:PORT")``, address ``tcp://HOST:PORT``); the token check is the
@@ -21,7 +26,9 @@ serves one episode at a time, so replies need no matching.
 
 from __future__ import annotations
 
+import errno
 import hmac
+import logging
 import os
 import pickle
 import secrets
@@ -37,12 +44,22 @@ from typing import Any
 
 import anyio
 import anyio.abc
+import anyio.to_thread
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 __all__ = ["AgentCall", "Channel", "ChannelClosed", "call", "claim", "connect", "open_channel"]
 
 _HEADER = struct.Struct("!Q")
 _HELLO_TIMEOUT = 10.0
+# Connections accepted that have not yet sent a valid hello: beyond this, the oldest is dropped.
+# A worker sends its hello as it connects, so it waits for one turn of the event loop at most.
+_MAX_WAITING = 64
+# Seconds between tries of accept() while the process is out of open files with nothing to drop.
+_ACCEPT_BACKOFF = 0.1
+_OUT_OF_FILES = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM}
+_PREFIX = "asyncrunner-"
+
+_log = logging.getLogger(__name__)
 
 
 class ChannelClosed(Exception):
@@ -191,7 +208,10 @@ def call(address: str, token: str, message: Any) -> Any:
 @dataclass
 class Channel:
     """A run's listening end: ``address`` and ``token`` go to the workers, events come out of
-    ``receive``; ``send`` lets the orchestrator put its own events in the same ordered inbox."""
+    ``receive``; ``send`` lets the orchestrator put its own events in the same ordered inbox.
+
+    ``rejected`` counts the connections closed for what they did (see the module docstring).
+    """
 
     address: str
     token: str
@@ -202,6 +222,9 @@ class Channel:
     claims: dict[str, anyio.CancelScope] = field(default_factory=dict)
     # Answers AgentCalls (set while a run's agent lives in the orchestrator).
     agent: Callable[[AgentCall], Awaitable[bytes]] | None = None
+    # Accepted connections waiting for their hello, oldest first.
+    _waiting: dict[socket.socket, None] = field(default_factory=dict)
+    _first_rejection: str = ""
 
     def drop(self, key: str) -> None:
         """Close the connection that claimed ``key``: its worker stops at its next send."""
@@ -209,49 +232,81 @@ class Channel:
         if scope is not None:
             scope.cancel()
 
+    def _reject(self, why: str) -> None:
+        self.rejected += 1
+        self._first_rejection = self._first_rejection or why
+        _log.debug("channel %s: connection closed: %s", self.address, why)
+
+    def _drop_oldest(self) -> bool:
+        """Close the connection waiting longest for its hello (its task sees it closed)."""
+        if not self._waiting:
+            return False
+        sock = next(iter(self._waiting))
+        del self._waiting[sock]
+        anyio.notify_closing(sock)
+        sock.close()
+        return True
+
     async def _serve(self, sock: socket.socket) -> None:
+        # Any error here comes from what this connection sent (or failed to send): it closes
+        # this connection only. Cancellation (the run ending) is not an Exception: it goes on.
         with sock:
-            conn = _Connection(sock)
             try:
+                if sock.family != socket.AF_UNIX:
+                    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                conn = _Connection(sock)
                 with anyio.fail_after(_HELLO_TIMEOUT):
                     (size,) = _HEADER.unpack(await conn.receive_exactly(_HEADER.size))
                     if size > 200:
                         raise ValueError("hello too long")
-                    token, _, pid = (await conn.receive_exactly(size)).decode().partition(" ")
-                if not hmac.compare_digest(token, self.token):
+                    hello = await conn.receive_exactly(size)
+                # Bytes: compare_digest raises TypeError on str holding non-ASCII characters.
+                token, _, pid = hello.partition(b" ")
+                if not hmac.compare_digest(token, self.token.encode()):
                     raise ValueError("bad token")
                 self.pids.add(int(pid))
-            except (TimeoutError, ValueError, OSError, EOFError, UnicodeDecodeError):
-                self.rejected += 1
+            except Exception as exc:
+                if sock in self._waiting:
+                    self._reject(f"bad hello ({type(exc).__name__}: {exc})")
+                else:
+                    self._reject(
+                        f"dropped: {_MAX_WAITING} newer connections waited for their hello"
+                    )
                 return
-            async with self.send.clone() as send:
-                with anyio.CancelScope() as scope:
-                    try:
-                        while True:
-                            (size,) = _HEADER.unpack(await conn.receive_exactly(_HEADER.size))
-                            event = pickle.loads(await conn.receive_exactly(size))
-                            if isinstance(event, _Claim):
-                                mine = event.key not in self.claims
-                                if mine:
-                                    self.claims[event.key] = scope
-                                await conn.send(b"\x01" if mine else b"\x00")
-                            elif isinstance(event, AgentCall):
-                                if self.agent is None:
-                                    reply = pickle.dumps(
-                                        (
-                                            "error",
-                                            "RuntimeError",
-                                            "this run has no central agent",
-                                            "",
-                                        )
-                                    )
-                                else:
-                                    reply = await self.agent(event)
-                                await conn.send(_frame(reply))
-                            else:
-                                await send.send(event)
-                    except (OSError, EOFError):
-                        return  # the worker went away; the dispatcher notices through its call
+            finally:
+                self._waiting.pop(sock, None)
+            try:
+                await self._events(conn)
+            except (OSError, EOFError):
+                return  # the worker went away; the dispatcher notices through its call
+            except Exception as exc:
+                # An authenticated worker sent what cannot be read: worth a warning of its own.
+                _log.warning(
+                    "channel %s: closing a worker's connection", self.address, exc_info=True
+                )
+                self._reject(f"unreadable frame ({type(exc).__name__}: {exc})")
+
+    async def _events(self, conn: _Connection) -> None:
+        async with self.send.clone() as send:
+            with anyio.CancelScope() as scope:
+                while True:
+                    (size,) = _HEADER.unpack(await conn.receive_exactly(_HEADER.size))
+                    event = pickle.loads(await conn.receive_exactly(size))
+                    if isinstance(event, _Claim):
+                        mine = event.key not in self.claims
+                        if mine:
+                            self.claims[event.key] = scope
+                        await conn.send(b"\x01" if mine else b"\x00")
+                    elif isinstance(event, AgentCall):
+                        if self.agent is None:
+                            reply = pickle.dumps(
+                                ("error", "RuntimeError", "this run has no central agent", "")
+                            )
+                        else:
+                            reply = await self.agent(event)
+                        await conn.send(_frame(reply))
+                    else:
+                        await send.send(event)
 
     async def _accept(self, listener: socket.socket, group: anyio.abc.TaskGroup) -> None:
         while True:
@@ -260,9 +315,28 @@ class Channel:
                 sock, _ = listener.accept()
             except BlockingIOError:
                 continue  # another process took it
-            if sock.family != socket.AF_UNIX:
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            except OSError as exc:
+                # Out of open files (idle connections, or the embedding app's own files):
+                # free one by dropping the oldest connection without a hello, else wait for
+                # some to close. Other errors are one pending connection's (reset by its peer).
+                if exc.errno not in _OUT_OF_FILES:
+                    self._reject(f"accept failed ({exc})")
+                if exc.errno not in _OUT_OF_FILES or not self._drop_oldest():
+                    await anyio.sleep(_ACCEPT_BACKOFF)
+                continue
+            if len(self._waiting) >= _MAX_WAITING:
+                self._drop_oldest()
+            self._waiting[sock] = None
             group.start_soon(self._serve, sock)
+
+    def _report(self) -> None:
+        if self.rejected:
+            _log.warning(
+                "channel %s: %d connection(s) closed without serving them (first: %s)",
+                self.address,
+                self.rejected,
+                self._first_rejection,
+            )
 
 
 class _Connection:
@@ -312,7 +386,8 @@ async def open_channel(max_buffer: int = 64, listen: str | None = None) -> Async
     tcp = None if listen is None else _tcp(listen)
     if listen is not None and tcp is None:
         raise ValueError(f"`listen` must look like tcp://HOST:PORT, got {listen!r}")
-    folder = tempfile.mkdtemp(prefix="asyncrunner-")
+    await anyio.to_thread.run_sync(remove_stale_folders)
+    folder = tempfile.mkdtemp(prefix=f"{_PREFIX}{os.getpid()}-")
     address = os.path.join(folder, "channel")
     send, receive = anyio.create_memory_object_stream[Any](max_buffer)
     try:
@@ -338,8 +413,40 @@ async def open_channel(max_buffer: int = 64, listen: str | None = None) -> Async
                         inner.cancel_scope.cancel()
         finally:
             _OPEN.pop(address, None)
+            channel._report()
     finally:
         shutil.rmtree(folder, ignore_errors=True)
+
+
+def remove_stale_folders() -> None:
+    """Remove this user's channel folders whose owner process is gone (killed runs leave them).
+
+    The owner's pid is in the folder's name; a live run's folder is never removed (a pid reused
+    by another process keeps a stale folder, which is the safe way round).
+    """
+    root = tempfile.gettempdir()
+    try:
+        entries = list(os.scandir(root))
+    except OSError:
+        return
+    for entry in entries:
+        owner = entry.name[len(_PREFIX) :].partition("-")[0]
+        if not entry.name.startswith(_PREFIX) or not owner.isdigit():
+            continue  # not ours, or made before folders were named after their owner
+        try:
+            if not entry.is_dir(follow_symlinks=False) or entry.stat().st_uid != os.getuid():
+                continue
+            os.kill(int(owner), 0)
+            continue  # its owner lives
+        except ProcessLookupError:
+            pass
+        except (OSError, OverflowError):
+            continue  # alive (another user's pid), not a pid, or the folder just went
+        try:
+            if set(os.listdir(entry.path)) <= {"channel"}:  # only what a channel puts there
+                shutil.rmtree(entry.path, ignore_errors=True)
+        except OSError:
+            pass  # removed meanwhile
 
 
 # The channels open in this process, by address (the Dask executor drops claims through them).

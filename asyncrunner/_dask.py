@@ -2,9 +2,10 @@
 
 ``executor`` may be a ``distributed.Client`` (asynchronous or not), a scheduler address
 (``"tcp://HOST:PORT"``) or a ``DaskExecutor`` (to choose where the event channel listens, or to
-start a ``LocalCluster``). Each episode is one task (``pure=False``, ``retries=0``, a key naming
-the run, episode and attempt), handed out as workers free up; Dask workers keep their process, so
-the worker-side env cache (``_worker._ENVS``) serves every episode a worker plays.
+start a ``LocalCluster``, whose scheduler, workers and dashboard listen on 127.0.0.1 only). Each
+episode is one task (``pure=False``, ``retries=0``, a key naming the run, episode and attempt),
+handed out as workers free up; Dask workers keep their process, so the worker-side env cache
+(``_worker._ENVS``) serves every episode a worker plays.
 
 Steps come back over the run's authenticated channel (``_channel``): a Unix socket when the
 scheduler is on this machine, else TCP. Exactly-once per attempt: before playing, the task claims
@@ -20,6 +21,7 @@ client's are waited for in a thread, which works under asyncio and trio.
 from __future__ import annotations
 
 import ipaddress
+import math
 import socket
 import uuid
 from collections.abc import Callable
@@ -128,6 +130,7 @@ class DaskExecutor:
         self._cluster: Any = None
         self._owned = self._client is None
         self._lock: anyio.Lock | None = None
+        self._waits: anyio.CapacityLimiter | None = None
         if listen is None and isinstance(client, str):
             listen = default_listen(client if "://" in client else f"tcp://{client}")
         elif listen is None and self._client is not None:
@@ -154,9 +157,10 @@ class DaskExecutor:
                     threads_per_worker=1,
                     processes=True,
                     host="127.0.0.1",
-                    # Any free port: None still binds 8787 (dask/distributed#8136), which
-                    # another cluster may hold.
-                    dashboard_address=":0",
+                    # A local cluster's dashboard is for this machine only (":0" listens on every
+                    # interface), on any free port: None still binds 8787
+                    # (dask/distributed#8136), which another cluster may hold.
+                    dashboard_address="127.0.0.1:0",
                 )
                 if asyncio:
                     self._cluster = await LocalCluster(asynchronous=True, **options)
@@ -196,7 +200,13 @@ class DaskExecutor:
             if client.asynchronous:
                 result = await future
             else:
-                result = await anyio.to_thread.run_sync(future.result, abandon_on_cancel=True)
+                # A thread per episode playing, not from anyio's default pool: the sinks need
+                # that one to finish (the runner bounds how many episodes play).
+                if self._waits is None:
+                    self._waits = anyio.CapacityLimiter(math.inf)
+                result = await anyio.to_thread.run_sync(
+                    future.result, abandon_on_cancel=True, limiter=self._waits
+                )
             done = True
         finally:
             if not done:

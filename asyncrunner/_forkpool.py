@@ -5,6 +5,12 @@ can build an env; a forked child has it already, as in grid2op's own ``multiproc
 worker serves one call at a time over a pipe; a call that is cancelled kills its worker (like
 ``anyio.to_process.run_sync(cancellable=True)``), and a worker that dies fails its call with
 ``BrokenWorkerProcess``.
+
+Waiting for a worker's reply takes no thread (``anyio.wait_readable`` on its pipe): the threads
+the pool does use (forking, sending a call, reading a reply that has arrived) come from a limiter
+of its own. Waiting in anyio's default thread pool (40 threads, shared with the sinks' file work)
+hung runs of more than 40 workers: the sinks got no thread, the workers' sends filled up, and no
+call ever returned to free one.
 """
 
 from __future__ import annotations
@@ -82,10 +88,17 @@ class _Worker:
         assert self.process.pid is not None  # set by start()
         self.pid = self.process.pid
 
-    def call(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> Any:
+    async def call(
+        self, fn: Callable[..., Any], args: tuple[Any, ...], threads: anyio.CapacityLimiter
+    ) -> Any:
         try:
-            self.conn.send((fn, args))
-            status, value = self.conn.recv()
+            # A big call (an agent instance in the recipe) fills the pipe until the worker has
+            # read it: sent from a thread.
+            await anyio.to_thread.run_sync(self.conn.send, (fn, args), limiter=threads)
+            await anyio.wait_readable(self.conn.fileno())
+            status, value = await anyio.to_thread.run_sync(
+                self.conn.recv, abandon_on_cancel=True, limiter=threads
+            )
         except (EOFError, OSError) as exc:
             self.process.join(1.0)  # it is ending: its exit code tells how
             code = self.process.exitcode
@@ -97,8 +110,8 @@ class _Worker:
         return value
 
     def kill(self) -> None:
-        # The pipe is left to the garbage collector: a call abandoned on cancellation may still
-        # be reading it in a thread (it sees EOF now), and a closed fd number can be reused.
+        # The pipe is left to the garbage collector: a reply's read abandoned on cancellation may
+        # still be reading it in a thread (it sees EOF now), and a closed fd number can be reused.
         self.process.kill()
         self.process.join()
 
@@ -108,6 +121,7 @@ class ForkPool:
 
     def __init__(self, limiter: anyio.CapacityLimiter) -> None:
         self._limiter = limiter
+        self._threads = anyio.CapacityLimiter(limiter.total_tokens)
         self._idle: list[_Worker] = []
         self._busy: set[_Worker] = set()
         self._forking = anyio.Lock()
@@ -126,19 +140,19 @@ class ForkPool:
                 # parent): off the event loop's thread.
                 async with self._forking:
                     inherited = [w.conn.fileno() for w in (*self._idle, *self._busy)]
-                    worker = await anyio.to_thread.run_sync(_Worker, inherited)
+                    worker = await anyio.to_thread.run_sync(
+                        _Worker, inherited, limiter=self._threads
+                    )
             self._busy.add(worker)
             try:
-                result: T = await anyio.to_thread.run_sync(
-                    worker.call, fn, args, abandon_on_cancel=True
-                )
+                result: T = await worker.call(fn, args, self._threads)
             except BaseException as exc:
                 self._busy.discard(worker)
                 if isinstance(exc, Exception) and not isinstance(exc, BrokenWorkerProcess):
                     self._idle.append(worker)  # the function raised: the worker is fine
                 else:  # cancelled (or dead): a worker mid-call is killed
                     with anyio.CancelScope(shield=True):
-                        await anyio.to_thread.run_sync(worker.kill)
+                        await anyio.to_thread.run_sync(worker.kill, limiter=self._threads)
                 raise
             self._busy.discard(worker)
             self._idle.append(worker)
@@ -158,4 +172,4 @@ class ForkPool:
                     worker.process.join()
 
         with anyio.CancelScope(shield=True):
-            await anyio.to_thread.run_sync(stop)
+            await anyio.to_thread.run_sync(stop, limiter=self._threads)

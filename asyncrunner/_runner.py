@@ -15,6 +15,7 @@ from typing import Any, Literal, TypeVar
 import anyio
 import anyio.to_process
 from anyio.abc import AsyncResource, Process, TaskGroup
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from ._central import CentralAgent, is_async_agent
 from ._channel import Channel
@@ -38,6 +39,9 @@ _STOP_GRACE = 5.0
 # Local workers are forked from this process where that is safe (Linux): a fresh interpreter
 # (anyio.to_process, used elsewhere) first spends about 2 s importing grid2op.
 _FORK = available()
+# Local worker processes allowed per CPU: more cannot be meant (each holds an env; 10,000 forked
+# until memory ran out). Agents that wait rather than compute have CentralAgent(envs_per_worker=).
+_WORKERS_PER_CPU = 64
 
 
 def _agent_recipe(agent: Any) -> tuple[str, Any]:
@@ -89,7 +93,8 @@ class AsyncRunner(AsyncResource):
     ``agent``: a ``BaseAgent`` subclass (built in the worker with the env's action space), an
     instance (copied for each episode, as grid2op does) or a callable ``(action_space) -> agent``
     (a lambda or a class defined in a function too: what workers cannot import goes by value).
-    ``workers``: episodes run at once (default: CPU count). ``executor``: ``None`` for local
+    ``workers``: episodes run at once (default: CPU count; local processes: at most 64 per CPU,
+    started as episodes need them). ``executor``: ``None`` for local
     processes (forked from this one on Linux, ``anyio.to_process`` elsewhere), a
     ``concurrent.futures.Executor``, or a Dask cluster (a ``distributed.Client``, a scheduler
     address or an ``asyncrunner.DaskExecutor``).
@@ -114,6 +119,14 @@ class AsyncRunner(AsyncResource):
             workers = os.cpu_count() or 1
         if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
             raise ValueError(f"`workers` must be an integer >= 1, got {workers!r}")
+        cpus = os.cpu_count() or 1
+        if executor is None and workers > _WORKERS_PER_CPU * cpus:
+            raise ValueError(
+                f"workers={workers} asks for up to {workers} worker processes, each with its own env, "
+                f"on this machine's {cpus} CPU(s): use at most {_WORKERS_PER_CPU * cpus} "
+                f"({_WORKERS_PER_CPU} per CPU), CentralAgent(agent, envs_per_worker=N) for agents "
+                "that mostly wait, or a cluster (executor=...)"
+            )
         self._dask = as_dask(executor)
         if (
             self._dask is None
@@ -167,9 +180,14 @@ class AsyncRunner(AsyncResource):
         )
         self._space_dicts: dict[str, Any] | None = None
         self._limiter: anyio.CapacityLimiter | None = None
+        self._waits: anyio.CapacityLimiter | None = None
         self._pool: ForkPool | None = None
         self._pids: set[int] = set()
         self._warm_group: TaskGroup | None = None
+        # Warm-up workers not yet promised to a call, and their "ready" signals.
+        self._warm_left = 0
+        self._warm_send: MemoryObjectSendStream[None] | None = None
+        self._warm_ready: MemoryObjectReceiveStream[None] | None = None
         self._closed = False
 
     # --- the pool ------------------------------------------------------------------------------
@@ -177,17 +195,25 @@ class AsyncRunner(AsyncResource):
     async def __aenter__(self) -> AsyncRunner:
         self._check_open()
         # Start the workers and build their envs now, while the caller prepares its first run.
+        # No more than the CPUs: more would not be ready sooner, and a run of fewer episodes
+        # would not use them. A run's first calls take these workers as they become ready
+        # rather than start more processes (see _call).
+        count = min(self.workers, os.cpu_count() or 1)
+        self._warm_left = count
+        self._warm_send, self._warm_ready = anyio.create_memory_object_stream[None](count)
         self._warm_group = anyio.create_task_group()
         await self._warm_group.__aenter__()
-        for _ in range(self.workers):
-            self._warm_group.start_soon(self._warm_one)
+        for _ in range(count):
+            self._warm_group.start_soon(self._warm_one, self._warm_send)
         return self
 
-    async def _warm_one(self) -> None:
+    async def _warm_one(self, ready: MemoryObjectSendStream[None]) -> None:
         try:
-            self._pids.add(await self._call(warm, self._recipe_key, self._recipe_bytes))
+            self._pids.add(await self._submit(warm, self._recipe_key, self._recipe_bytes))
         except Exception:
             pass  # the first episode on this worker reports the same error, with its context
+        finally:
+            ready.send_nowait(None)  # its worker is free (or gone), even when cancelled
 
     async def aclose(self) -> None:
         """Stop the warm-up, then the worker processes this runner used (idle ones)."""
@@ -198,6 +224,9 @@ class AsyncRunner(AsyncResource):
         if group is not None:
             group.cancel_scope.cancel()
             await group.__aexit__(None, None, None)
+        for stream in (self._warm_send, self._warm_ready):
+            if stream is not None:
+                stream.close()
         with anyio.CancelScope(shield=True):
             await self._stop_workers()
 
@@ -242,8 +271,17 @@ class AsyncRunner(AsyncResource):
         channel.pids = self._pids
 
     async def _call(self, fn: Callable[..., T], *args: Any) -> T:
+        if self._warm_left and self._warm_ready is not None:
+            self._warm_left -= 1
+            await self._warm_ready.receive()  # a warm-up call ended: its worker is idle
+        return await self._submit(fn, *args)
+
+    async def _submit(self, fn: Callable[..., T], *args: Any) -> T:
         if self._limiter is None:
             self._limiter = anyio.CapacityLimiter(self.workers)
+            # Threads waiting for an executor's future, one per episode playing: never from
+            # anyio's default pool, which the sinks need to finish (see _forkpool).
+            self._waits = anyio.CapacityLimiter(self.workers)
         if self._dask is not None:
             async with self._limiter:
                 return await self._dask.call(fn, *args)
@@ -258,7 +296,9 @@ class AsyncRunner(AsyncResource):
         async with self._limiter:
             future = self.executor.submit(fn, *args)
             try:
-                return await anyio.to_thread.run_sync(future.result, abandon_on_cancel=True)
+                return await anyio.to_thread.run_sync(
+                    future.result, abandon_on_cancel=True, limiter=self._waits
+                )
             finally:
                 future.cancel()
 
