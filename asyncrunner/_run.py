@@ -92,41 +92,36 @@ class Run:
         spaces = await self.runner._spaces() if self.detail else {}
         sink_sends: list[MemoryObjectSendStream[Event]] = []
         dask = self.runner._dask
-        try:
-            async with (
-                open_channel(listen=None if dask is None else dask.listen) as channel,
-                serving(self.runner._central, channel, self._env_of) as self._agent,
-            ):
-                self.runner._watch(channel)
-                try:
-                    async with anyio.create_task_group() as sink_group:
-                        for sink in self.sinks:
-                            send, receive = anyio.create_memory_object_stream[Event](SINK_BUFFER)
-                            sink_sends.append(send)
-                            sink_group.start_soon(_consume, sink, receive)
-                        targets: list[Callable[[Event], Awaitable[None]]] = [
-                            s.send for s in sink_sends
-                        ]
-                        if out is not None:
-                            targets.append(out.send)
-                        emit = _fan_out(targets)
-                        started = RunStarted(
-                            self.run_id, len(self.requests), spaces, self.runner._agent_name
-                        )
-                        await emit(started)
-                        await self._dispatch_and_collect(channel, emit)
-                        await emit(RunFinished(self.run_id, tuple(self._ordered())))
-                        for send in sink_sends:
-                            await send.aclose()
-                finally:
+        async with (
+            open_channel(listen=None if dask is None else dask.listen) as channel,
+            serving(self.runner._central, channel, self._env_of) as self._agent,
+        ):
+            self.runner._watch(channel)
+            try:
+                async with anyio.create_task_group() as sink_group:
+                    for sink in self.sinks:
+                        send, receive = anyio.create_memory_object_stream[Event](SINK_BUFFER)
+                        sink_sends.append(send)
+                        sink_group.start_soon(_consume, sink, receive)
+                    targets: list[Callable[[Event], Awaitable[None]]] = [s.send for s in sink_sends]
+                    if out is not None:
+                        targets.append(out.send)
+                    emit = _fan_out(targets)
+                    agent = self.runner._agent_name
+                    await emit(RunStarted(self.run_id, len(self.requests), spaces, agent))
+                    await self._dispatch_and_collect(channel, emit)
+                    await emit(RunFinished(self.run_id, tuple(self._ordered())))
                     for send in sink_sends:
-                        send.close()
-        except* SinkError as failed:
-            # As EpisodeError does: what was played stays known (and saved, where it was).
-            finished = [r for r in self._with_paths(self._ordered()) if r.error is None]
-            for exc in _sink_errors(failed):  # nested in the task groups' exception groups
-                exc.results = finished
-            raise
+                        await send.aclose()
+            except* SinkError as failed:
+                # As EpisodeError does: what was played stays known (and saved, where it was).
+                finished = [r for r in self._with_paths(self._ordered()) if r.error is None]
+                for exc in _sink_errors(failed):  # nested in the task groups' exception groups
+                    exc.results = finished
+                raise
+            finally:
+                for send in sink_sends:
+                    send.close()
         results = self._with_paths(self._ordered())
         if self.failure is not None and self.on_error == "raise":
             raise EpisodeError(self.failure, [r for r in results if r.error is None])

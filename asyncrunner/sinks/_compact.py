@@ -33,8 +33,8 @@ class CompactEpisodeWriter(_Writer):
     ``game_over_timestep`` is the episode's maximum length, as grid2op records it;
     ``nb_timestep_played`` is the steps played.)
 
-    Both files are written under hidden temporary names and moved into place, the ``.npz`` last,
-    so an episode is listed only once complete. Nothing is overwritten: ``<name>`` is the
+    Both files are written under hidden temporary names, flushed to the disk and moved into
+    place, the ``.npz`` last, so an episode is listed only once complete. Nothing is overwritten: ``<name>`` is the
     chronic's name unless taken (by an earlier run or the same chronic played earlier in this
     run), then ``<name>_<k>`` with the smallest free ``k >= 1``.
 

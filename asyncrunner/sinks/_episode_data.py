@@ -357,10 +357,12 @@ class EpisodeDataWriter(_Writer):
     ``_parameters.json``, ``episode_meta.json``, ``episode_times.json``, ``other_rewards.json``,
     ``grid2op.info`` and the ``.npz`` arrays with grid2op's shapes, dtypes and padding. Two more
     files: ``legal_ambiguous.npz`` (read by ``EpisodeData.from_disk``, which then exposes
-    ``legal`` / ``ambiguous``) and ``asyncrunner.json`` (what was requested, for ``resume``).
+    ``legal`` / ``ambiguous``) and ``asyncrunner.json`` (what was requested, the agent, and
+    each file's size and sha256, for ``resume``).
 
-    Folders appear complete or not at all: an episode is written in a hidden temporary folder and
-    renamed into place; a failed or cancelled episode leaves nothing that grid2op lists.
+    Folders appear complete or not at all: an episode is written in a hidden temporary folder,
+    flushed to the disk and renamed into place; a failed or cancelled episode leaves nothing that
+    grid2op lists. Temporary folders left by a killed run are removed by the next one.
 
     Nothing is overwritten: an episode goes to the folder named after its chronic (as grid2op
     does) unless that name is taken, by an earlier run in ``path`` or by the same chronic played
