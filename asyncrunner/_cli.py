@@ -310,13 +310,13 @@ def _report_interrupt(settings: _Settings, args: argparse.Namespace, argv: list[
     tracker = settings.tracker
     done = [tracker.finished[i] for i in sorted(tracker.finished)]
     if args.save is not None:
-        from .sinks._episode_data import completed_episodes
+        from .sinks._episode_data import damage, saved_episodes
 
         # What is really on disk: an episode that finished as the run was cancelled may not be.
         on_disk = {
             record.get("index"): folder
-            for folder, record in completed_episodes(args.save)
-            if record.get("run_id") == tracker.run_id
+            for folder, record in saved_episodes(args.save)
+            if record.get("run_id") == tracker.run_id and damage(folder, record) is None
         }
         done = [_replace(r, path=on_disk.get(r.index)) for r in done]
     if done:

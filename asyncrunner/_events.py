@@ -29,11 +29,16 @@ __all__ = [
 
 @dataclass(frozen=True)
 class RunStarted:
-    """A run begins: how many episodes, and the env's spaces (grid2op's ``dict_*_space.json``)."""
+    """A run begins: how many episodes, and the env's spaces (grid2op's ``dict_*_space.json``).
+
+    ``agent`` names the agent that plays (its class or factory, see ``AsyncRunner``): the episode
+    writers record it, and ``resume`` matches on it.
+    """
 
     run_id: str
     nb_episode: int
     spaces: Mapping[str, Any] = field(repr=False)
+    agent: str | None = None
 
 
 @dataclass(frozen=True)
@@ -115,7 +120,10 @@ class EpisodeFinished:
 class EpisodeFailed:
     """An episode failed: an exception in the agent or env, or a worker that died.
 
-    ``retrying`` says the episode will start again on another attempt.
+    ``step``: the steps played when it failed. When its worker died (or was stopped by
+    ``episode_timeout``) ``steps_lost`` is true and ``step`` is the last step received from it:
+    the steps it played since its last batch were never sent. ``retrying`` says the episode
+    will start again on another attempt.
     """
 
     run_id: str
@@ -126,6 +134,7 @@ class EpisodeFailed:
     traceback: str
     step: int
     retrying: bool = False
+    steps_lost: bool = False
 
 
 @dataclass(frozen=True)

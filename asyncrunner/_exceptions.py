@@ -2,7 +2,7 @@
 
     AsyncRunnerError
     ├── EpisodeError       an episode failed and ``on_error="raise"``: carries the finished results
-    ├── SinkError          a sink raised while handling an event
+    ├── SinkError          a sink raised while handling an event: carries the finished results
     └── WorkerChannelError the channel from the workers broke
 
 Bad arguments raise ``ValueError`` / ``TypeError`` before any work starts. Cancellation is never
@@ -28,8 +28,15 @@ class EpisodeError(AsyncRunnerError):
     """Raised when an episode fails under ``on_error="raise"``; ``results`` hold what finished."""
 
     def __init__(self, failure: EpisodeFailed, results: list[EpisodeResult]) -> None:
+        if failure.steps_lost:
+            where = (
+                f"after step {failure.step} (the last step received from its worker; "
+                "steps played after it were not received)"
+            )
+        else:
+            where = f"after {failure.step} steps"
         super().__init__(
-            f"episode {failure.index} failed after {failure.step} steps: "
+            f"episode {failure.index} failed {where}: "
             f"{failure.error_type}: {failure.message}\n{failure.traceback}"
         )
         self.failure = failure
@@ -37,7 +44,12 @@ class EpisodeError(AsyncRunnerError):
 
 
 class SinkError(AsyncRunnerError):
-    """Raised when a sink fails; the run stops, the message names the sink."""
+    """Raised when a sink fails, whatever ``on_error`` says: the run stops, the message names the
+    sink; ``results`` hold the episodes played to their end (``path`` says which were saved)."""
+
+    def __init__(self, message: str, results: list[EpisodeResult] | None = None) -> None:
+        super().__init__(message)
+        self.results: list[EpisodeResult] = [] if results is None else results
 
 
 class WorkerChannelError(AsyncRunnerError):

@@ -89,6 +89,7 @@ def resume_mixes(
     requests: Sequence[EpisodeRequest],
     path: str,
     names: Mapping[str, list[str] | None],
+    agent: str | None,
 ) -> tuple[list[EpisodeRequest], list[EpisodeResult]]:
     """``resume_plan`` mix by mix, each in its own ``path/<mix>`` folder."""
     from .sinks._episode_data import resume_plan
@@ -99,7 +100,7 @@ def resume_mixes(
         mine = [r for r in requests if r.mix == mix]
         if not mine:
             continue
-        left, found = resume_plan(mine, os.path.join(path, mix), mix_names)
+        left, found = resume_plan(mine, os.path.join(path, mix), mix_names, agent)
         todo.extend(left)
         done.extend(replace(r, mix=mix) for r in found)
     todo.sort(key=lambda r: r.index)

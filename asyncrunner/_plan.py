@@ -2,15 +2,23 @@
 
 from __future__ import annotations
 
+import numbers
 import os
 import tempfile
-from collections.abc import Sequence
+import warnings
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 
 import numpy as np
 
-__all__ = ["EpisodeRequest", "chronic_names", "plan_episodes"]
+__all__ = ["EpisodeRequest", "check_with_env", "chronic_names", "plan_episodes"]
+
+# grid2op's limits: ``env.seed`` refuses seeds above int32's maximum ("Seed is too big"), and an
+# agent is seeded through numpy's ``RandomState`` (``BaseAgent.seed``), which takes 0 .. 2**32 - 1.
+MAX_ENV_SEED = int(np.iinfo(np.int32).max)
+MAX_AGENT_SEED = 2**32 - 1
 
 _RESET_KEYS = (
     "time serie id",
@@ -68,16 +76,71 @@ def _per_episode(
     return values
 
 
-def _seed(name: str, value: Any) -> int | None:
+def is_integer(value: Any) -> bool:
+    """An integer (Python's or numpy's), not a bool: what counts, episodes and ids must be."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _seed(name: str, value: Any, maximum: int) -> int | None:
     if value is None:
         return None
-    try:
-        seed = int(value)
-    except (TypeError, ValueError):
-        raise TypeError(f"`{name}` entries must be integers (or None), got {value!r}") from None
+    if not is_integer(value):
+        raise TypeError(
+            f"`{name}` entries must be integers (or None), got {value!r}: a float, bool or "
+            "string is not a seed"
+        )
+    seed = int(value)
     if seed < 0:
         raise ValueError(f"`{name}` entries must be non-negative integers, got {seed}")
+    if seed > maximum:
+        raise ValueError(
+            f"`{name}` entries must be at most {maximum} (grid2op's limit), got {seed}"
+        )
     return seed
+
+
+def _whole(value: Any) -> int | None:
+    """``value`` as an int where grid2op's reset takes it for one (``int(value) == value``)."""
+    try:
+        number = int(value)
+    except (TypeError, ValueError, OverflowError):
+        return None
+    return number if number == value else None
+
+
+def _check_reset_values(opts: dict[str, Any]) -> None:
+    """The checks grid2op's ``env.reset`` makes of these options, before any work starts."""
+    if "init ts" in opts:
+        skip = _whole(opts["init ts"])
+        if skip is None or skip < 1:
+            raise ValueError(
+                f'`reset_options` "init ts" must be an integer >= 1 (the step of the chronic to '
+                f"start at), got {opts['init ts']!r}"
+            )
+    if "max step" in opts:
+        steps = _whole(opts["max step"])
+        if steps is None or (steps < 1 and steps != -1):
+            raise ValueError(
+                f'`reset_options` "max step" must be an integer >= 1 (or -1 for no limit), '
+                f"got {opts['max step']!r}"
+            )
+    if "init datetime" in opts:
+        value = opts["init datetime"]
+        if not isinstance(value, datetime) and not (isinstance(value, str) and _is_date(value)):
+            raise ValueError(
+                f'`reset_options` "init datetime" must be a datetime or a string "YYYY-MM-DD '
+                f'HH:MM" (or "YYYY-MM-DD"), got {value!r}'
+            )
+
+
+def _is_date(text: str) -> bool:
+    for pattern in ("%Y-%m-%d %H:%M", "%Y-%m-%d"):  # grid2op's GridValue._datetime_from_str
+        try:
+            datetime.strptime(text, pattern)
+        except ValueError:
+            continue
+        return True
+    return False
 
 
 def plan_episodes(
@@ -95,17 +158,24 @@ def plan_episodes(
     """Check every argument and build one request per episode, in request order."""
     from grid2op.Action import BaseAction
 
-    if isinstance(nb_episode, bool) or not isinstance(nb_episode, int):
+    if not is_integer(nb_episode):
         raise TypeError(f"`nb_episode` must be an integer, got {type(nb_episode).__name__}")
+    nb_episode = int(nb_episode)
     if nb_episode < 0:
         raise ValueError(f"`nb_episode` must be >= 0, got {nb_episode}")
-    if max_iter is not None and (isinstance(max_iter, bool) or not isinstance(max_iter, int)):
-        raise TypeError(f"`max_iter` must be an integer or None, got {max_iter!r}")
-    if max_iter is not None and max_iter < 1 and max_iter != -1:
-        raise ValueError(f"`max_iter` must be >= 1 (or -1 for no limit), got {max_iter}")
-    env_s = [_seed("env_seeds", s) for s in _per_episode("env_seeds", env_seeds, nb_episode)]
+    if max_iter is not None:
+        if not is_integer(max_iter):
+            raise TypeError(f"`max_iter` must be an integer or None, got {max_iter!r}")
+        max_iter = int(max_iter)
+        if max_iter < 1 and max_iter != -1:
+            raise ValueError(f"`max_iter` must be >= 1 (or -1 for no limit), got {max_iter}")
+    env_s = [
+        _seed("env_seeds", s, MAX_ENV_SEED)
+        for s in _per_episode("env_seeds", env_seeds, nb_episode)
+    ]
     agent_s = [
-        _seed("agent_seeds", s) for s in _per_episode("agent_seeds", agent_seeds, nb_episode)
+        _seed("agent_seeds", s, MAX_AGENT_SEED)
+        for s in _per_episode("agent_seeds", agent_seeds, nb_episode)
     ]
     ids = _per_episode("episode_id", episode_id, nb_episode)
     states = _per_episode("init_states", init_states, nb_episode, (dict, BaseAction))
@@ -126,6 +196,7 @@ def plan_episodes(
                 raise ValueError(
                     f"`reset_options` has unknown keys {unknown}; grid2op accepts {list(_RESET_KEYS)}"
                 )
+            _check_reset_values(opts)
             opts = dict(opts)
         ep_id: Any = ids[i]
         if ep_id is None:
@@ -155,16 +226,91 @@ def _check_id(ep_id: Any, names: list[str] | None) -> int | str:
                 f"episode id {ep_id!r} is not a chronic of this env; known: {names[:10]}..."
             )
         return ep_id
-    try:
-        value = int(ep_id)
-    except (TypeError, ValueError):
-        raise TypeError(f"episode ids must be integers or chronic names, got {ep_id!r}") from None
+    if not is_integer(ep_id):
+        raise TypeError(f"episode ids must be integers or chronic names, got {ep_id!r}")
+    value = int(ep_id)
     if value < 0 or (names is not None and value >= len(names)):
         count = "?" if names is None else len(names)
         raise ValueError(
             f"episode id {value} is out of range: this env has {count} chronics (ids 0..{count}-1)"
         )
     return value
+
+
+def check_with_env(requests: Sequence[EpisodeRequest], env_for: Callable[[Any], Any]) -> None:
+    """The checks of grid2op's reset that need the env: thermal limits and initial states.
+
+    ``env_for(mix)`` is the env that plays a request. An initial state given once for every
+    episode is checked once.
+    """
+    seen: set[tuple[int, Any]] = set()
+    for request in requests:
+        env = env_for(request.mix)
+        options = request.reset_options or {}
+        if "thermal limit" in options:
+            _check_thermal_limit(options["thermal limit"], env)
+        for state in (request.init_state, options.get("init state")):
+            if state is not None and (id(state), request.mix) not in seen:
+                seen.add((id(state), request.mix))
+                _check_state(state, env)
+
+
+def _check_thermal_limit(value: Any, env: Any) -> None:
+    # as grid2op's BaseEnv.set_thermal_limit
+    lines = [str(name) for name in env.name_line]
+    what = '`reset_options` "thermal limit"'
+    if isinstance(value, dict):
+        for key, limit in value.items():
+            if key not in lines:
+                raise ValueError(
+                    f"{what} keys must be line names; {key!r} is not one of {lines[:4]}..."
+                )
+            try:
+                float(limit)
+            except (TypeError, ValueError):
+                raise ValueError(
+                    f"{what} values must be numbers (amps), got {limit!r} for line {key!r}"
+                ) from None
+        return
+    if not isinstance(value, (np.ndarray, list)):
+        raise ValueError(
+            f"{what} must be a list or array with one limit (amps) per line, or a dict "
+            f"{{line name: limit}}, got {type(value).__name__}"
+        )
+    try:
+        limits = np.array(value).flatten().astype(np.float32)
+    except (TypeError, ValueError):
+        raise ValueError(f"{what} must hold numbers (amps), got {value!r}") from None
+    if limits.shape[0] != len(lines):
+        raise ValueError(
+            f"{what} has {limits.shape[0]} values but the grid has {len(lines)} lines: give one "
+            "per line"
+        )
+    if not np.isfinite(limits).all():
+        raise ValueError(f"{what} must be finite numbers, got {value!r}")
+
+
+def _check_state(state: Any, env: Any) -> None:
+    # as grid2op's Environment.reset reads options["init state"]
+    from grid2op.Action import BaseAction
+
+    if isinstance(state, BaseAction):
+        action = state
+    elif isinstance(state, dict):
+        as_dict = {k: v for k, v in state.items() if k != "method"}
+        try:
+            with warnings.catch_warnings():
+                warnings.filterwarnings("error")  # grid2op's reset turns them into errors too
+                action = env._helper_action_env(as_dict)
+        except Exception as exc:
+            raise ValueError(
+                f"initial state {state!r} is not an action of this env: {type(exc).__name__}: {exc}"
+            ) from None
+    else:
+        raise TypeError(f"an initial state must be a dict or a grid2op action, got {state!r}")
+    ambiguous, reason = action.is_ambiguous()
+    if ambiguous:
+        raise ValueError(f"initial state {state!r} is an ambiguous action: {reason}")
 
 
 def check_path_save(path: str | os.PathLike[str]) -> str:

@@ -80,7 +80,7 @@ class Run:
         self.failure: EpisodeFailed | None = None
         self._terminal: dict[tuple[int, int], anyio.Event] = {}
         self._closed: set[tuple[int, int]] = set()
-        self._last_step: dict[int, int] = {}
+        self._last_step: dict[tuple[int, int], int] = {}  # by (index, attempt): received
         # Each episode's last start: a failed episode's result names its chronic and length.
         self._started: dict[int, EpisodeStarted] = {}
         self._watchdogs: dict[tuple[int, int], anyio.CancelScope] = {}
@@ -109,11 +109,18 @@ class Run:
                     if out is not None:
                         targets.append(out.send)
                     emit = _fan_out(targets)
-                    await emit(RunStarted(self.run_id, len(self.requests), spaces))
+                    agent = self.runner._agent_name
+                    await emit(RunStarted(self.run_id, len(self.requests), spaces, agent))
                     await self._dispatch_and_collect(channel, emit)
                     await emit(RunFinished(self.run_id, tuple(self._ordered())))
                     for send in sink_sends:
                         await send.aclose()
+            except* SinkError as failed:
+                # As EpisodeError does: what was played stays known (and saved, where it was).
+                finished = [r for r in self._with_paths(self._ordered()) if r.error is None]
+                for exc in _sink_errors(failed):  # nested in the task groups' exception groups
+                    exc.results = finished
+                raise
             finally:
                 for send in sink_sends:
                     send.close()
@@ -174,7 +181,7 @@ class Run:
             if watchdog is not None and self.episode_timeout is not None:
                 watchdog.deadline = anyio.current_time() + self.episode_timeout
         elif isinstance(event, StepBatch):
-            self._last_step[event.index] = event.first_step + len(event) - 1
+            self._last_step[key] = event.first_step + len(event) - 1
         elif isinstance(event, EpisodeFinished):
             self._closed.add(key)
             self.results[event.index] = EpisodeResult(
@@ -299,14 +306,21 @@ class Run:
                 return
             except Exception as exc:
                 died = type(exc).__name__ in _WORKER_DIED
-                message = str(exc) or repr(exc)
-                if died:
-                    message = f"the worker process died ({message or 'no detail'})"
+                detail = message = str(exc) or repr(exc)
                 again = []
                 for request, key in zip(group, keys, strict=True):
                     if key in self._closed:
                         continue
                     retrying = died and key[1] <= self.retries
+                    if died:
+                        # A dead process cannot flush: the steps it played since its last
+                        # batch are gone, so say what was received, not where it died.
+                        last = self._last_step.get(key, 0)
+                        seen = f"step {last} was the last received" if last else "no step received"
+                        message = (
+                            f"the worker process died ({detail}); {seen}: any steps it "
+                            "played after that were lost with it"
+                        )
                     await self._fail(
                         channel, request, key[1], type(exc).__name__, message, retrying
                     )
@@ -336,10 +350,17 @@ class Run:
                 error_type=error_type,
                 message=message,
                 traceback="",
-                step=self._last_step.get(request.index, 0),
+                step=self._last_step.get((request.index, attempt), 0),
                 retrying=retrying,
+                steps_lost=True,
             )
         )
+
+
+def _sink_errors(group: BaseException) -> list[SinkError]:
+    if isinstance(group, BaseExceptionGroup):
+        return [leaf for e in group.exceptions for leaf in _sink_errors(e)]
+    return [group] if isinstance(group, SinkError) else []
 
 
 def _fan_out(

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import concurrent.futures
 import copy
+import functools
 import hashlib
 import inspect
+import numbers
 import os
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
@@ -24,7 +26,7 @@ from ._events import Event
 from ._exceptions import AsyncRunnerError, EpisodeError
 from ._forkpool import ForkPool, available
 from ._multimix import OnlyMix, mixes_of, plan_mixes, resume_mixes, runner_params
-from ._plan import check_path_save, chronic_names, plan_episodes
+from ._plan import check_path_save, check_with_env, chronic_names, plan_episodes
 from ._results import EpisodeResult
 from ._run import Run
 from ._worker import Recipe, dumps, warm
@@ -87,6 +89,21 @@ def _agent_recipe(agent: Any) -> tuple[str, Any]:
     )
 
 
+def agent_name(agent: Any) -> str:
+    """A stable name for the agent recipe, recorded with saved episodes (``resume`` matches it).
+
+    The class's (or factory's) qualified name: instances of one class, or two factories built
+    from one function, share it whatever their parameters or weights.
+    """
+    if isinstance(agent, CentralAgent):
+        return agent_name(agent.agent)
+    if isinstance(agent, functools.partial):
+        return agent_name(agent.func)
+    if not isinstance(agent, type) and not hasattr(agent, "__qualname__"):
+        agent = type(agent)  # an instance, or a callable object
+    return f"{getattr(agent, '__module__', '?')}.{getattr(agent, '__qualname__', '?')}"
+
+
 class AsyncRunner(AsyncResource):
     """Plays grid2op episodes of ``agent`` on ``env`` in worker processes, from asyncio or trio.
 
@@ -140,6 +157,7 @@ class AsyncRunner(AsyncResource):
         if isinstance(retries, bool) or not isinstance(retries, int) or retries < 0:
             raise ValueError(f"`retries` must be an integer >= 0, got {retries!r}")
         kind, payload = _agent_recipe(agent)
+        self._agent_name = agent_name(agent)
         # A MultiMixEnvironment: one recipe per mix (each mix is an env of its own for grid2op).
         self._mixes = mixes_of(env)
         sources = {None: env} if self._mixes is None else self._mixes
@@ -319,7 +337,7 @@ class AsyncRunner(AsyncResource):
 
     # --- runs ----------------------------------------------------------------------------------
 
-    def _prepare(
+    async def _prepare(
         self,
         nb_episode: int,
         *,
@@ -363,8 +381,15 @@ class AsyncRunner(AsyncResource):
             )
         if on_error not in ("raise", "continue"):
             raise ValueError(f'`on_error` must be "raise" or "continue", got {on_error!r}')
-        if episode_timeout is not None and not episode_timeout > 0:
-            raise ValueError(f"`episode_timeout` must be > 0 seconds, got {episode_timeout!r}")
+        if episode_timeout is not None:
+            if isinstance(episode_timeout, bool) or not isinstance(episode_timeout, numbers.Real):
+                raise TypeError(
+                    "`episode_timeout` must be a number of seconds (or None), got "
+                    f"{episode_timeout!r}"
+                )
+            if not episode_timeout > 0:
+                raise ValueError(f"`episode_timeout` must be > 0 seconds, got {episode_timeout!r}")
+            episode_timeout = float(episode_timeout)
         if retries is None:
             retries = self.retries
         elif isinstance(retries, bool) or not isinstance(retries, int) or retries < 0:
@@ -375,18 +400,25 @@ class AsyncRunner(AsyncResource):
                     f"sinks must be asyncrunner.sinks.Sink instances, got {type(sink).__name__}; "
                     "wrap a function in CallbackSink(fn)"
                 )
+        if resume and path_save is None:
+            raise ValueError("`resume=True` needs `path_save`: the folder to resume")
         if path_save is not None:
             path_save = check_path_save(path_save)
+        # Building actions from initial states, and reading back saved episodes, take a while.
+        await anyio.to_thread.run_sync(check_with_env, requests, self._env_for)
         skipped: list[EpisodeResult] = []
         if resume:
-            if path_save is None:
-                raise ValueError("`resume=True` needs `path_save`: the folder to resume")
+            assert path_save is not None
             from .sinks._episode_data import resume_plan
 
             if self._mix_names is None:
-                requests, skipped = resume_plan(requests, path_save, self._names)
+                requests, skipped = await anyio.to_thread.run_sync(
+                    resume_plan, requests, path_save, self._names, self._agent_name
+                )
             else:
-                requests, skipped = resume_mixes(requests, path_save, self._mix_names)
+                requests, skipped = await anyio.to_thread.run_sync(
+                    resume_mixes, requests, path_save, self._mix_names, self._agent_name
+                )
         all_sinks = [*self.sinks, *sinks]
         if path_save is not None:
             from .sinks import EpisodeDataWriter
@@ -439,7 +471,8 @@ class AsyncRunner(AsyncResource):
         stops at the first failed episode and raises ``EpisodeError`` (finished episodes stay
         saved); ``"continue"`` plays every episode and reports failures in ``result.error``.
         ``resume=True`` (with ``path_save``) skips the episodes already saved complete there
-        (same chronic, seeds and ``max_iter``) and returns their results as read from disk.
+        (same chronic, agent, seeds and ``max_iter``, every file as written) and returns their
+        results as read from disk; a damaged one is moved aside and played again.
         ``add_detailed_output=True`` puts each played episode's grid2op ``EpisodeData`` on
         ``result.episode_data`` (``"compact"``: a ``CompactEpisodeData``), built in this process
         from the streamed steps.
@@ -455,7 +488,7 @@ class AsyncRunner(AsyncResource):
 
             collector = DetailCollector(self._env_for, compact=add_detailed_output == "compact")
             sinks = [*sinks, collector]
-        run = self._prepare(
+        run = await self._prepare(
             nb_episode,
             path_save=path_save,
             max_iter=max_iter,
@@ -507,7 +540,7 @@ class AsyncRunner(AsyncResource):
 
         Leaving the block early cancels what is left of the run.
         """
-        run = self._prepare(
+        run = await self._prepare(
             nb_episode,
             path_save=path_save,
             max_iter=max_iter,

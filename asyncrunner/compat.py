@@ -51,6 +51,7 @@ Where it differs from grid2op's Runner:
 from __future__ import annotations
 
 import functools
+import numbers
 import operator
 import os
 import threading
@@ -64,11 +65,11 @@ import anyio
 import anyio.abc
 import numpy as np
 from grid2op.Action import BaseAction
-from grid2op.Exceptions import ChronicsError, EnvError
+from grid2op.Exceptions import ChronicsError, EnvError, Grid2OpException
 from grid2op.Runner import Runner as _GridRunner
 
 from ._events import EpisodeStarted, Event, StepBatch
-from ._plan import chronic_names
+from ._plan import MAX_ENV_SEED, chronic_names
 from ._results import EpisodeResult
 from ._runner import AsyncRunner
 from ._worker import dumps
@@ -510,6 +511,9 @@ class Runner(_GridRunner):  # type: ignore[misc]  # grid2op is untyped (Any base
             core_options.append(option or None)
         env = self._ar_template()
         ids = [self._ar_episode_id(ep_id, env) for ep_id in ids]
+        env_seeds = [_env_seed(seed) for seed in env_seeds]
+        # numpy's RandomState, which seeds grid2op's agents, takes a bool as 0 / 1
+        agent_seeds = [int(s) if isinstance(s, (bool, np.bool_)) else s for s in agent_seeds]
         compact = bool(self.use_compact_episode_data)
         sinks: list[Sink] = []
         if path_save is not None:
@@ -647,6 +651,20 @@ class Runner(_GridRunner):  # type: ignore[misc]  # grid2op is untyped (Any base
             data.episode_path = result.path
             data.serialize = True
         return data
+
+
+def _env_seed(seed: Any) -> Any:
+    """An env seed as grid2op's ``env.seed`` reads it (a float truncated, a bool as 0 / 1).
+
+    The async core takes integers only; anything else goes on for it to reject.
+    """
+    if seed is None or not isinstance(seed, (numbers.Real, np.bool_)):
+        return seed
+    if float(seed) > MAX_ENV_SEED:
+        raise Grid2OpException(
+            f"Seed is too big. Max value is {MAX_ENV_SEED}, provided value is {seed}"
+        )
+    return int(np.array(seed).astype(np.int32))
 
 
 class _AgentClass:

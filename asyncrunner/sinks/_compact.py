@@ -10,8 +10,8 @@ from typing import Any
 import numpy as np
 
 from .._events import EpisodeFinished, EpisodeStarted
-from ._episode_data import SPACE_FILES, _dump_json, _EpisodeBuffer, _Writer
-from ._npz import save_npz
+from ._episode_data import SPACE_FILES, _EpisodeBuffer, _Writer, json_bytes, sync, write_file
+from ._npz import npz_bytes
 
 __all__ = ["CompactEpisodeWriter"]
 
@@ -33,8 +33,8 @@ class CompactEpisodeWriter(_Writer):
     ``game_over_timestep`` is the episode's maximum length, as grid2op records it;
     ``nb_timestep_played`` is the steps played.)
 
-    Both files are written under hidden temporary names and moved into place, the ``.npz`` last,
-    so an episode is listed only once complete. Nothing is overwritten: ``<name>`` is the
+    Both files are written under hidden temporary names, flushed to the disk and moved into
+    place, the ``.npz`` last, so an episode is listed only once complete. Nothing is overwritten: ``<name>`` is the
     chronic's name unless taken (by an earlier run or the same chronic played earlier in this
     run), then ``<name>_<k>`` with the smallest free ``k >= 1``.
 
@@ -44,6 +44,7 @@ class CompactEpisodeWriter(_Writer):
     def __init__(self, path: str | os.PathLike[str]) -> None:
         super().__init__(path)
         self.folder = os.path.join(self.path, COMPACT_FOLDER)
+        self._work = self.folder
 
     def _capacity(self, started: EpisodeStarted) -> int:
         return compact_capacity(started)
@@ -58,9 +59,12 @@ class CompactEpisodeWriter(_Writer):
         tmp_meta = self._new_tmp(self.folder, ".json.part")
         tmp_npz = self._new_tmp(self.folder, ".npz.part")
         try:
-            _dump_json(tmp_meta, meta)
-            save_npz(tmp_npz, **data)
-            return self._move_into_place(tmp_meta, tmp_npz, started.name)
+            write_file(tmp_meta, json_bytes(meta))
+            write_file(tmp_npz, npz_bytes(**data))
+            sync([tmp_meta, tmp_npz])
+            target = self._move_into_place(tmp_meta, tmp_npz, started.name)
+            sync([self.folder])  # the renames
+            return target
         finally:
             self._remove([tmp_meta, tmp_npz])
 

@@ -5,12 +5,17 @@ Also the on-disk side of ``resume``: which requested episodes are already comple
 
 from __future__ import annotations
 
+import concurrent.futures
 import errno
+import hashlib
 import json
 import os
+import re
 import secrets
 import shutil
+import socket
 import threading
+import warnings
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -21,7 +26,7 @@ import numpy as np
 from .._events import EpisodeFailed, EpisodeFinished, EpisodeStarted, Event, RunStarted, StepBatch
 from .._results import EpisodeResult
 from ._base import Sink
-from ._npz import save_npz
+from ._npz import npz_bytes
 
 if TYPE_CHECKING:
     from .._plan import EpisodeRequest
@@ -49,11 +54,20 @@ EPISODE_FILES = (
     "opponent_attack.npz",
     "rewards.npz",
 )
-# Ours: what was requested, so that ``resume`` recognises the episode.
+# Ours, written last: what was requested, which agent played, and each file's size and checksum,
+# so that ``resume`` recognises the episode and replays it when a file is damaged.
 RECORD_FILE = "asyncrunner.json"
-RECORD_FORMAT = 1
-# Work in progress lives under hidden names that grid2op never lists.
+RECORD_FORMAT = 2
+# Work in progress lives under hidden names that grid2op never lists; the name holds the owner
+# (this machine, this process) so that a later run can remove what a killed one left.
 TMP_PREFIX = ".asyncrunner-tmp-"
+_HOST = hashlib.blake2b(socket.gethostname().encode(), digest_size=4).hexdigest()
+_TMP_OWNER = re.compile(rf"^{re.escape(TMP_PREFIX)}([0-9a-f]{{8}})-([0-9]+)-")
+# This process's work in progress, by path: a dead run's folder may carry our pid (pid reuse).
+_LIVE: set[str] = set()
+_LIVE_LOCK = threading.Lock()
+# Where ``resume`` moves a damaged episode folder (one level down: grid2op does not list it).
+BROKEN_FOLDER = ".asyncrunner-broken"
 # Rows added at a time when an episode's length is unknown (max_ts <= 0).
 _GROW_ROWS = 64
 # rename() errors meaning "that name is taken": try the next one.
@@ -215,6 +229,8 @@ class _Writer(BufferingSink):
             raise ValueError(f"cannot save episodes in {path!r}: it exists and is not a folder")
         super().__init__()
         self.path = path
+        self.agent: str | None = None  # the run's agent, recorded with each episode
+        self._work = path  # where work in progress goes
         self.paths: dict[int, str] = {}
         self._reserved: set[str] = set()
         self._tmp: set[str] = set()
@@ -238,8 +254,8 @@ class _Writer(BufferingSink):
     async def send(self, event: Event) -> None:
         if isinstance(event, RunStarted):
             self.paths = {}
-            if event.spaces:
-                await anyio.to_thread.run_sync(self._write_spaces, event.spaces)
+            self.agent = event.agent
+            await anyio.to_thread.run_sync(self._start, event.spaces)
         else:
             await super().send(event)
 
@@ -253,10 +269,40 @@ class _Writer(BufferingSink):
 
     # --- file helpers (run in a worker thread) ----------------------------------------------
 
+    def _start(self, spaces: Mapping[str, Any]) -> None:
+        self._remove_stale()
+        if spaces:
+            self._write_spaces(spaces)
+
+    def _remove_stale(self) -> None:
+        """Remove the work in progress of runs whose process is gone (killed mid-write)."""
+        try:
+            entries = os.listdir(self._work)
+        except (FileNotFoundError, NotADirectoryError):
+            return
+        stale = []
+        for entry in entries:
+            owner = _TMP_OWNER.match(entry)
+            if owner is None or owner.group(1) != _HOST:
+                continue  # an older version's, or another machine's (a shared folder)
+            path = os.path.join(self._work, entry)
+            pid = int(owner.group(2))
+            if pid == os.getpid():
+                with _LIVE_LOCK:
+                    if path in _LIVE:
+                        continue
+            elif _alive(pid):
+                continue
+            stale.append(path)
+        self._remove(stale)
+
     def _new_tmp(self, folder: str, suffix: str = "") -> str:
-        tmp = os.path.join(folder, f"{TMP_PREFIX}{secrets.token_hex(6)}{suffix}")
+        name = f"{TMP_PREFIX}{_HOST}-{os.getpid()}-{secrets.token_hex(6)}{suffix}"
+        tmp = os.path.join(folder, name)
         with self._lock:
             self._tmp.add(tmp)
+        with _LIVE_LOCK:
+            _LIVE.add(tmp)
         return tmp
 
     def _remove(self, paths: Sequence[str]) -> None:
@@ -270,6 +316,8 @@ class _Writer(BufferingSink):
                     pass
             with self._lock:
                 self._tmp.discard(p)
+            with _LIVE_LOCK:
+                _LIVE.discard(p)
 
     def _reserve_name(self, name: str) -> bool:
         with self._lock:
@@ -291,9 +339,11 @@ class _Writer(BufferingSink):
                 continue
             tmp = self._new_tmp(folder, ".part")
             try:
-                _dump_json(tmp, spaces[name])
+                write_file(tmp, json_bytes(spaces[name]))
+                sync([tmp])
                 if not os.path.exists(target):
                     os.replace(tmp, target)
+                    sync([folder])
             finally:
                 self._remove([tmp])
 
@@ -307,10 +357,12 @@ class EpisodeDataWriter(_Writer):
     ``_parameters.json``, ``episode_meta.json``, ``episode_times.json``, ``other_rewards.json``,
     ``grid2op.info`` and the ``.npz`` arrays with grid2op's shapes, dtypes and padding. Two more
     files: ``legal_ambiguous.npz`` (read by ``EpisodeData.from_disk``, which then exposes
-    ``legal`` / ``ambiguous``) and ``asyncrunner.json`` (what was requested, for ``resume``).
+    ``legal`` / ``ambiguous``) and ``asyncrunner.json`` (what was requested, the agent, and
+    each file's size and sha256, for ``resume``).
 
-    Folders appear complete or not at all: an episode is written in a hidden temporary folder and
-    renamed into place; a failed or cancelled episode leaves nothing that grid2op lists.
+    Folders appear complete or not at all: an episode is written in a hidden temporary folder,
+    flushed to the disk and renamed into place; a failed or cancelled episode leaves nothing that
+    grid2op lists. Temporary folders left by a killed run are removed by the next one.
 
     Nothing is overwritten: an episode goes to the folder named after its chronic (as grid2op
     does) unless that name is taken, by an earlier run in ``path`` or by the same chronic played
@@ -331,7 +383,11 @@ class EpisodeDataWriter(_Writer):
             folder = os.path.join(parent, "episode")
             os.mkdir(folder)
             self._write_files(folder, buffer, finished)
-            return self._move_into_place(folder, buffer.started.name)
+            # The files and their names on the disk before the folder appears complete.
+            sync([*(os.path.join(folder, name) for name in os.listdir(folder)), folder])
+            target = self._move_into_place(folder, buffer.started.name)
+            sync([self.path])  # the rename
+            return target
         finally:
             self._remove([parent])
 
@@ -354,6 +410,28 @@ class EpisodeDataWriter(_Writer):
         names = started.other_reward_names
         played = arrays["other_rewards"][: buffer.n].tolist()
         other_rewards = [dict(zip(names, row, strict=True)) for row in played]
+        files: dict[str, dict[str, Any]] = {}
+
+        def put(name: str, data: bytes) -> None:
+            files[name] = {
+                "size": len(data),
+                "sha256": write_file(os.path.join(folder, name), data),
+            }
+
+        put("_parameters.json", json_bytes(dict(started.parameters)))
+        put("episode_meta.json", json_bytes(meta))
+        put("episode_times.json", json_bytes(finished.times))
+        put("other_rewards.json", json_bytes(other_rewards))
+        put("agent_exec_times.npz", npz_bytes(data=arrays["times"]))
+        put("actions.npz", npz_bytes(data=arrays["actions"]))
+        put("env_modifications.npz", npz_bytes(data=arrays["env_actions"]))
+        put("observations.npz", npz_bytes(data=arrays["observations"]))
+        put("opponent_attack.npz", npz_bytes(data=arrays["attacks"]))
+        put("disc_lines_cascading_failure.npz", npz_bytes(data=arrays["disc_lines"]))
+        put("rewards.npz", npz_bytes(data=arrays["rewards"]))
+        legal_ambiguous = np.stack((arrays["legal"], arrays["ambiguous"]), axis=1)
+        put("legal_ambiguous.npz", npz_bytes(data=legal_ambiguous))
+        put("grid2op.info", json_bytes({"version": f"{GRID2OP_CURRENT_VERSION_STR}"}))
         record = {
             "format": RECORD_FORMAT,
             "episode_id": started.episode_id,
@@ -364,23 +442,10 @@ class EpisodeDataWriter(_Writer):
             "nb_highres_sim": int(finished.nb_highres_sim),
             "run_id": started.run_id,
             "index": started.index,
+            "agent": self.agent,
+            "files": files,
         }
-        join = os.path.join
-        _dump_json(join(folder, "_parameters.json"), dict(started.parameters))
-        _dump_json(join(folder, "episode_meta.json"), meta)
-        _dump_json(join(folder, "episode_times.json"), finished.times)
-        _dump_json(join(folder, "other_rewards.json"), other_rewards)
-        save_npz(join(folder, "agent_exec_times.npz"), data=arrays["times"])
-        save_npz(join(folder, "actions.npz"), data=arrays["actions"])
-        save_npz(join(folder, "env_modifications.npz"), data=arrays["env_actions"])
-        save_npz(join(folder, "observations.npz"), data=arrays["observations"])
-        save_npz(join(folder, "opponent_attack.npz"), data=arrays["attacks"])
-        save_npz(join(folder, "disc_lines_cascading_failure.npz"), data=arrays["disc_lines"])
-        save_npz(join(folder, "rewards.npz"), data=arrays["rewards"])
-        legal_ambiguous = np.stack((arrays["legal"], arrays["ambiguous"]), axis=1)
-        save_npz(join(folder, "legal_ambiguous.npz"), data=legal_ambiguous)
-        _dump_json(join(folder, "grid2op.info"), {"version": f"{GRID2OP_CURRENT_VERSION_STR}"})
-        _dump_json(join(folder, RECORD_FILE), record)
+        write_file(os.path.join(folder, RECORD_FILE), json_bytes(record))
 
     def _move_into_place(self, folder: str, name: str) -> str:
         k = 0
@@ -399,10 +464,55 @@ class EpisodeDataWriter(_Writer):
             return target
 
 
-def _dump_json(path: str, obj: Any) -> None:
-    # as grid2op writes its json files
-    with open(path, "w", encoding="utf-8") as f:
-        json.dump(obj=_plain(obj), fp=f, indent=4, sort_keys=True)
+def json_bytes(obj: Any) -> bytes:
+    """``obj`` as grid2op writes its json files."""
+    return json.dumps(_plain(obj), indent=4, sort_keys=True).encode("utf-8")
+
+
+def write_file(path: str, data: bytes) -> str:
+    """Write ``data`` to ``path`` (``sync`` flushes it to the disk); returns its sha256."""
+    with open(path, "wb") as f:
+        f.write(data)
+    return hashlib.sha256(data).hexdigest()
+
+
+def sync(paths: Sequence[str]) -> None:
+    """Flush files, or a folder's entries (names created or renamed in it), to the disk.
+
+    Without it a power loss after the rename that publishes an episode can leave it complete
+    in name and empty in content. The ``fsync`` calls run at once: the file system then commits
+    them together (here 14 in a row took about 8 ms each; at once, about as long as one).
+    """
+    if len(paths) == 1:
+        _fsync(paths[0])
+        return
+    with concurrent.futures.ThreadPoolExecutor(len(paths)) as pool:
+        for _ in pool.map(_fsync, paths):
+            pass
+
+
+def _fsync(path: str) -> None:
+    folder = os.path.isdir(path)
+    if folder and os.name == "nt":
+        return  # Windows has no fsync of a folder
+    fd = os.open(path, os.O_RDONLY if folder else os.O_RDWR)  # Windows flushes writable files
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` exists (on this machine)."""
+    if os.name == "nt":
+        return True  # os.kill(pid, 0) would interrupt it there: never remove another's work
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's
+    return True
 
 
 def _plain(obj: Any) -> Any:
@@ -428,8 +538,8 @@ def _episode_key(episode_id: Any, name: str | None, names: list[str] | None) -> 
     return names[int(episode_id)]
 
 
-def completed_episodes(path: str | os.PathLike[str]) -> list[tuple[str, dict[str, Any]]]:
-    """Complete episode folders in ``path`` written by ``EpisodeDataWriter``, with their record."""
+def saved_episodes(path: str | os.PathLike[str]) -> list[tuple[str, dict[str, Any]]]:
+    """Episode folders in ``path`` with a record of this format, and their record (unverified)."""
     path = os.path.abspath(os.fspath(path))
     if not os.path.isdir(path):
         return []
@@ -438,33 +548,82 @@ def completed_episodes(path: str | os.PathLike[str]) -> list[tuple[str, dict[str
         folder = os.path.join(path, entry)
         if entry.startswith(".") or not os.path.isfile(os.path.join(folder, RECORD_FILE)):
             continue
-        if not all(os.path.exists(os.path.join(folder, f)) for f in EPISODE_FILES):
-            continue
         try:
             with open(os.path.join(folder, RECORD_FILE), encoding="utf-8") as f:
                 record = json.load(f)
-            with open(os.path.join(folder, "episode_meta.json"), encoding="utf-8") as f:
-                record["meta"] = json.load(f)
         except (OSError, ValueError):
             continue
-        if record.get("format") == RECORD_FORMAT:
+        if isinstance(record, dict) and record.get("format") == RECORD_FORMAT:
             found.append((folder, record))
     return found
 
 
+def damage(folder: str, record: Mapping[str, Any]) -> str | None:
+    """What is wrong with the files of a saved episode (``None``: each is as recorded)."""
+    files = record.get("files")
+    if not isinstance(files, dict):
+        return f"{RECORD_FILE} lists no files"
+    missing = [name for name in EPISODE_FILES if name not in files]
+    if missing:
+        return f"{RECORD_FILE} does not list {missing[0]}"
+    for name, expected in sorted(files.items()):
+        if os.path.basename(name) != name or not isinstance(expected, dict):
+            return f"{RECORD_FILE} lists {name!r} wrongly"
+        try:
+            with open(os.path.join(folder, name), "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                digest = hashlib.file_digest(f, "sha256").hexdigest()
+        except OSError as exc:
+            return f"{name} cannot be read ({exc.strerror or exc})"
+        if size != expected.get("size"):
+            return f"{name} has {size} bytes where {expected.get('size')} were written"
+        if digest != expected.get("sha256"):
+            return f"{name} differs from what was written (sha256)"
+    return None
+
+
+def _move_aside(path: str, folder: str) -> str:
+    """Move a damaged episode folder into ``path/.asyncrunner-broken/``; returns where."""
+    broken = os.path.join(path, BROKEN_FOLDER)
+    os.makedirs(broken, exist_ok=True)
+    name = os.path.basename(folder)
+    k = 0
+    while True:
+        target = os.path.join(broken, name if k == 0 else f"{name}_{k}")
+        k += 1
+        if os.path.lexists(target):
+            continue
+        try:
+            os.rename(folder, target)
+        except OSError as exc:
+            if exc.errno in _TAKEN:
+                continue
+            raise
+        sync([broken, path])
+        return target
+
+
 def resume_plan(
-    requests: Sequence[EpisodeRequest], path: str | os.PathLike[str], names: list[str] | None
+    requests: Sequence[EpisodeRequest],
+    path: str | os.PathLike[str],
+    names: list[str] | None,
+    agent: str | None,
 ) -> tuple[list[EpisodeRequest], list[EpisodeResult]]:
     """Split ``requests`` into those still to play and results read back from ``path``.
 
-    A request is complete when a folder in ``path`` saved the same chronic with the same env seed,
-    agent seed and ``max_iter`` (``init_states`` / ``reset_options`` are not compared). Each
-    folder stands for one request at most (a chronic requested twice needs two folders).
+    A request is complete when a folder in ``path`` saved the same chronic with the same agent,
+    env seed, agent seed and ``max_iter`` (``init_states`` / ``reset_options`` are not
+    compared), and each of its files is as written (size and sha256 in its record). Each
+    folder stands for one request at most (a chronic requested twice needs two folders). A
+    matching folder whose files are damaged is moved into ``path/.asyncrunner-broken/`` (with a
+    warning) and its episode plays again. Reads every matching file: call it off the event loop.
     """
+    path = os.path.abspath(os.fspath(path))
     pool: dict[Any, list[tuple[str, dict[str, Any]]]] = {}
-    for folder, record in completed_episodes(path):
+    for folder, record in saved_episodes(path):
         key = (
             _episode_key(record.get("episode_id"), record.get("name"), names),
+            record.get("agent"),
             record.get("env_seed"),
             record.get("agent_seed"),
             record.get("max_iter"),
@@ -475,16 +634,16 @@ def resume_plan(
     for request in requests:
         key = (
             _episode_key(request.episode_id, None, names),
+            agent,
             request.env_seed,
             request.agent_seed,
             request.max_iter,
         )
-        matches = pool.get(key)
-        if not matches:
+        found = _intact(path, pool.get(key, []))
+        if found is None:
             todo.append(request)
             continue
-        folder, record = matches.pop(0)
-        meta = record["meta"]
+        folder, record, meta = found
         done.append(
             EpisodeResult(
                 index=request.index,
@@ -500,3 +659,24 @@ def resume_plan(
             )
         )
     return todo, done
+
+
+def _intact(
+    path: str, matches: list[tuple[str, dict[str, Any]]]
+) -> tuple[str, dict[str, Any], dict[str, Any]] | None:
+    """Take the first intact folder of ``matches`` (with its meta), moving damaged ones aside."""
+    while matches:
+        folder, record = matches.pop(0)
+        problem = damage(folder, record)
+        if problem is None:
+            with open(os.path.join(folder, "episode_meta.json"), encoding="utf-8") as f:
+                return folder, record, json.load(f)
+        if not os.path.isdir(folder):
+            continue  # moved by another run resuming the same folder
+        aside = _move_aside(path, folder)
+        warnings.warn(
+            f"resume: the saved episode {folder} is damaged ({problem}); it was moved to "
+            f"{aside} and the episode plays again",
+            stacklevel=2,
+        )
+    return None

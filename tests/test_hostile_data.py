@@ -1,0 +1,416 @@
+"""Hostile data and inputs: damaged saved episodes, another agent's folder, leftovers of a killed
+run, bad arguments that used to pass the checks, failure reports, and durable writes."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+import warnings
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import anyio
+import numpy as np
+import pytest
+from grid2op.Agent import BaseAgent, DoNothingAgent, RandomAgent
+from grid2op.Episode import EpisodeData
+from grid2op.Runner import Runner as GridRunner
+
+from asyncrunner import AsyncRunner, EpisodeError, EpisodeStarted, Event, SinkError
+from asyncrunner.compat import Runner as CompatRunner
+from asyncrunner.sinks import CallbackSink, CompactEpisodeWriter, EpisodeDataWriter
+from asyncrunner.sinks._episode_data import BROKEN_FOLDER, RECORD_FILE, TMP_PREFIX
+
+from .conftest import make_env
+
+pytestmark = pytest.mark.anyio
+
+TIMEOUT = 180  # generous: worker processes build their env on a shared machine
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module", params=["asyncio", "trio"])
+def anyio_backend(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+@pytest.fixture(scope="module")
+def case14() -> Iterator[Any]:
+    env = make_env()
+    yield env
+    env.close()
+
+
+@pytest.fixture(scope="module")
+async def runner(anyio_backend: str, case14: Any) -> AsyncIterator[AsyncRunner]:
+    """One warm DoNothing runner per backend, shared by the module's tests."""
+    async with AsyncRunner(case14, agent=DoNothingAgent, workers=2) as shared:
+        yield shared
+
+
+class Started:
+    """Counts the episodes that actually play."""
+
+    def __init__(self) -> None:
+        self.indices: list[int] = []
+
+    def __call__(self, event: Event) -> None:
+        if isinstance(event, EpisodeStarted):
+            self.indices.append(event.index)
+
+
+KWARGS: dict[str, Any] = dict(max_iter=5, env_seeds=[1, 2], agent_seeds=[3, 4], episode_id=[0, 1])
+
+
+# --- 6. resume checks what it skips ----------------------------------------------------------
+
+
+async def test_resume_replays_damaged_episodes(runner: AsyncRunner, tmp_path: Path) -> None:
+    with anyio.fail_after(TIMEOUT):
+        first = await runner.run(2, path_save=tmp_path, **KWARGS)
+    truncated = Path(first[0].path or "") / "rewards.npz"
+    truncated.write_bytes(truncated.read_bytes()[: truncated.stat().st_size // 2])
+    flipped = Path(first[1].path or "") / "observations.npz"
+    data = bytearray(flipped.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # same size, other bytes
+    flipped.write_bytes(bytes(data))
+
+    started = Started()
+    with pytest.warns(UserWarning, match="is damaged") as caught, anyio.fail_after(TIMEOUT):
+        resumed = await runner.run(
+            2, path_save=tmp_path, resume=True, sinks=[CallbackSink(started)], **KWARGS
+        )
+    assert sorted(started.indices) == [0, 1]  # both replayed
+    assert [r.as_tuple() for r in resumed] == [r.as_tuple() for r in first]
+    messages = " ".join(str(w.message) for w in caught)
+    assert "rewards.npz has" in messages and "observations.npz differs" in messages
+    # The damaged folders were moved aside, where grid2op does not list them; the new ones
+    # took their names, and every listed episode loads.
+    aside = sorted(p.name for p in (tmp_path / BROKEN_FOLDER).iterdir())
+    assert aside == sorted(Path(r.path or "").name for r in first)
+    assert [r.path for r in resumed] == [r.path for r in first]
+    listed = EpisodeData.list_episode(str(tmp_path))
+    assert sorted(name for _, name in listed) == aside
+    for path, name in listed:
+        EpisodeData.from_disk(path, name)
+    # Intact now: a third run plays nothing.
+    again = Started()
+    with anyio.fail_after(TIMEOUT):
+        await runner.run(2, path_save=tmp_path, resume=True, sinks=[CallbackSink(again)], **KWARGS)
+    assert again.indices == []
+
+
+# --- 7. resume matches the agent -------------------------------------------------------------
+
+
+async def test_resume_plays_another_agents_episodes(
+    runner: AsyncRunner, case14: Any, tmp_path: Path
+) -> None:
+    with anyio.fail_after(TIMEOUT):
+        nothing = await runner.run(2, path_save=tmp_path, **KWARGS)
+        started = Started()
+        async with AsyncRunner(case14, agent=RandomAgent, workers=1) as other:
+            random = await other.run(
+                2, path_save=tmp_path, resume=True, sinks=[CallbackSink(started)], **KWARGS
+            )
+            assert sorted(started.indices) == [0, 1]  # RandomAgent's own episodes
+            again = Started()
+            await other.run(
+                2, path_save=tmp_path, resume=True, sinks=[CallbackSink(again)], **KWARGS
+            )
+            assert again.indices == []
+    # Next to the old ones, nothing overwritten.
+    assert [Path(r.path or "").name for r in random] == [f"{r.name}_1" for r in nothing]
+    for r in random:
+        record = json.loads((Path(r.path or "") / RECORD_FILE).read_text())
+        assert record["agent"] == "grid2op.Agent.randomAgent.RandomAgent"
+    back = Started()
+    with anyio.fail_after(TIMEOUT):
+        resumed = await runner.run(
+            2, path_save=tmp_path, resume=True, sinks=[CallbackSink(back)], **KWARGS
+        )
+    assert back.indices == [] and [r.path for r in resumed] == [r.path for r in nothing]
+
+
+# --- 8. leftovers of a killed run ------------------------------------------------------------
+
+_BLOCKED_RUN = """
+import sys, time
+import grid2op
+from grid2op.Agent import DoNothingAgent
+import anyio
+from asyncrunner import AsyncRunner
+from asyncrunner.sinks import EpisodeDataWriter
+
+
+class Stuck(EpisodeDataWriter):
+    def _write_files(self, folder, buffer, finished):
+        super()._write_files(folder, buffer, finished)
+        open(sys.argv[2], "w").close()  # tell the test
+        time.sleep(600)  # killed here: the episode's temporary folder stays behind
+
+
+async def main():
+    env = grid2op.make("l2rpn_case14_sandbox", test=True)
+    async with AsyncRunner(env, agent=DoNothingAgent, workers=1) as runner:
+        await runner.run(1, max_iter=3, sinks=[Stuck(sys.argv[1])])
+    sys.exit("the run ended: it should be stuck writing")
+
+
+if __name__ == "__main__":
+    anyio.run(main)
+"""
+
+
+def _start_stuck(script: Path, folder: Path, name: str) -> subprocess.Popen[bytes]:
+    """A run in another process, stuck while writing its episode (a temporary folder exists)."""
+    ready = script.parent / f"{name}.ready"
+    with open(script.parent / f"{name}.err", "wb") as err:
+        proc = subprocess.Popen(
+            [sys.executable, str(script), str(folder), str(ready)],
+            stdout=subprocess.DEVNULL,
+            stderr=err,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+        )
+    deadline = time.monotonic() + TIMEOUT
+    # Another process: nothing to await but its file (it starts an interpreter and an env).
+    while not ready.exists():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            proc.wait()
+            raise AssertionError((script.parent / f"{name}.err").read_text()[-2000:])
+        time.sleep(0.1)
+    return proc
+
+
+@pytest.mark.slow
+async def test_a_killed_runs_temporary_folder_is_removed_not_a_live_ones(
+    runner: AsyncRunner, tmp_path: Path
+) -> None:
+    script = tmp_path / "stuck.py"
+    script.write_text(textwrap.dedent(_BLOCKED_RUN))
+    folder = tmp_path / "runs"
+    killed = await anyio.to_thread.run_sync(_start_stuck, script, folder, "killed")
+    live = await anyio.to_thread.run_sync(_start_stuck, script, folder, "live")
+    try:
+        killed.send_signal(signal.SIGKILL)
+        killed.wait(timeout=30)  # its workers, orphaned, exit when their channel closes
+        names = {p.name: p for p in folder.iterdir() if p.name.startswith(TMP_PREFIX)}
+        dead = [n for n in names if f"-{killed.pid}-" in n]
+        alive = [n for n in names if f"-{live.pid}-" in n]
+        assert len(dead) == 1 and len(alive) == 1
+        with anyio.fail_after(TIMEOUT):
+            await runner.run(1, max_iter=3, path_save=folder)
+        left = {p.name for p in folder.iterdir() if p.name.startswith(TMP_PREFIX)}
+        assert left == set(alive)  # the dead run's is gone, the live run's untouched
+    finally:
+        for proc in (killed, live):
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait(timeout=30)
+
+
+# --- 9. bad input is refused before any work -------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "message"),
+    [
+        (dict(env_seeds=[2**31]), ValueError, "at most 2147483647"),
+        (dict(env_seeds=[2**32]), ValueError, "at most 2147483647"),
+        (dict(agent_seeds=[2**32]), ValueError, "at most 4294967295"),
+        (dict(env_seeds=[1.5]), TypeError, "a float, bool or string is not a seed"),
+        (dict(agent_seeds=[True]), TypeError, "a float, bool or string is not a seed"),
+        (dict(env_seeds=["12"]), TypeError, "a float, bool or string is not a seed"),
+        (dict(episode_id=[1.5]), TypeError, "integers or chronic names"),
+        (dict(episode_id=[True]), TypeError, "integers or chronic names"),
+        (dict(episode_timeout="5"), TypeError, "a number of seconds"),
+        (dict(reset_options={"init ts": -5}), ValueError, '"init ts" must be an integer >= 1'),
+        (dict(reset_options={"init ts": "3"}), ValueError, '"init ts" must be an integer'),
+        (dict(reset_options={"max step": "abc"}), ValueError, '"max step" must be an integer'),
+        (dict(reset_options={"init datetime": "5 jan"}), ValueError, '"init datetime" must'),
+        (dict(reset_options={"init datetime": 20190105}), ValueError, '"init datetime" must'),
+        (dict(reset_options={"thermal limit": "x"}), ValueError, "one limit \\(amps\\) per line"),
+        (dict(reset_options={"thermal limit": [1.0, 2.0]}), ValueError, "the grid has 20 lines"),
+        (dict(reset_options={"thermal limit": ["a"] * 20}), ValueError, "must hold numbers"),
+        (dict(reset_options={"thermal limit": {"nope": 1.0}}), ValueError, "not one of"),
+        (dict(init_states={"set_line_status": "x"}), ValueError, "not an action of this env"),
+        (dict(init_states={"bogus": 1}), ValueError, "not an action of this env"),
+        (
+            dict(init_states=[{"set_bus": {"lines_or_id": [(0, 2)]}, "change_bus": [0]}]),
+            ValueError,
+            "not an action of this env|ambiguous",
+        ),
+        (dict(reset_options={"init state": 3}), TypeError, "must be a dict or a grid2op action"),
+    ],
+)
+async def test_bad_values_are_refused_before_any_work(
+    runner: AsyncRunner, kwargs: dict[str, Any], error: type[Exception], message: str
+) -> None:
+    seen: list[Event] = []
+    with pytest.raises(error, match=message), anyio.fail_after(TIMEOUT):
+        await runner.run(1, max_iter=3, sinks=[CallbackSink(seen.append)], **kwargs)
+    assert seen == []  # refused before the run started
+
+
+async def test_numpy_integers_and_good_reset_values_are_accepted(
+    runner: AsyncRunner, case14: Any
+) -> None:
+    options = {
+        "init ts": 2,
+        "max step": 3.0,  # grid2op takes a whole float
+        "init datetime": "2019-01-06 00:00",
+        "thermal limit": list(case14.get_thermal_limit() * 2),
+    }
+    numpy: dict[str, Any] = dict(  # what grid2op's Runner takes too
+        max_iter=np.int64(4),
+        env_seeds=np.array([5, 6]),
+        agent_seeds=[np.uint32(7), 8],
+        episode_id=[np.int64(1), "0000"],
+        episode_timeout=np.float64(60),
+    )
+    with anyio.fail_after(TIMEOUT):
+        results = await runner.run(
+            np.int64(2),  # type: ignore[arg-type]  # an Integral, not an int
+            reset_options=[options, {"max step": -1}],
+            init_states={"set_line_status": [(0, -1)]},
+            **numpy,
+        )
+    assert [(r.ok, r.env_seed, r.agent_seed) for r in results] == [(True, 5, 7), (True, 6, 8)]
+    assert [r.nb_time_step for r in results] == [4, 4]  # max_iter wins over "max step"
+
+
+def test_compat_runner_takes_the_seeds_grid2op_takes(case14: Any) -> None:
+    # grid2op's env.seed truncates a float and reads a bool as 0 / 1; numpy seeds agents with
+    # a bool as 0 / 1: compat.Runner plays them as grid2op does.
+    kwargs: dict[str, Any] = dict(nb_episode=1, max_iter=5, env_seeds=[1.7], agent_seeds=[True])
+    params = case14.get_params_for_runner()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        expected = GridRunner(**params, agentClass=RandomAgent).run(**kwargs)
+        got = CompatRunner(**params, agentClass=RandomAgent).run(**kwargs)
+    assert [tuple(r) for r in got] == [tuple(r) for r in expected]
+
+
+# --- 10. failure reports ---------------------------------------------------------------------
+
+
+class DiesAtStepTen(BaseAgent):  # type: ignore[misc]  # grid2op is untyped
+    """Takes a while at step 6 (a batch of steps then leaves), and kills its worker at step 10."""
+
+    def __init__(self, action_space: Any) -> None:
+        super().__init__(action_space)
+        self.calls = 0
+
+    def act(self, observation: Any, reward: float, done: bool = False) -> Any:
+        self.calls += 1
+        if self.calls == 6:
+            time.sleep(0.3)  # older than the worker's batch age: steps 1-6 are sent
+        if self.calls == 10:
+            os._exit(1)
+        return self.action_space({})
+
+
+async def test_a_dead_worker_is_reported_after_the_last_step_received(case14: Any) -> None:
+    with anyio.fail_after(TIMEOUT):
+        async with AsyncRunner(case14, agent=DiesAtStepTen, workers=1, retries=0) as dying:
+            with pytest.raises(EpisodeError) as caught:
+                await dying.run(1, max_iter=50)
+    failure = caught.value.failure
+    # Steps 1-6 arrived; steps 7-9 were played but died with the worker (under load a later
+    # batch may have left too).
+    assert 6 <= failure.step <= 9 and failure.steps_lost
+    assert f"step {failure.step} was the last received" in failure.message
+    assert f"failed after step {failure.step}" in str(caught.value)
+    assert "were not received" in str(caught.value)
+
+
+async def test_a_failing_sink_reports_the_finished_episodes(
+    runner: AsyncRunner, tmp_path: Path
+) -> None:
+    ended = 0
+
+    def disk_full(event: Event) -> None:
+        nonlocal ended
+        if type(event).__name__ == "EpisodeFinished":
+            ended += 1
+            if ended == 2:
+                raise OSError(errno.ENOSPC, "No space left on device")
+
+    with pytest.raises(SinkError, match="No space left") as caught, anyio.fail_after(TIMEOUT):
+        # on_error="continue" is about episodes: a failing sink still stops the run.
+        await runner.run(
+            4,
+            max_iter=3,
+            path_save=tmp_path,
+            on_error="continue",
+            sinks=[CallbackSink(disk_full)],
+        )
+    results = caught.value.results
+    assert len(results) >= 2 and all(r.ok for r in results)
+    for r in results:
+        if r.path is not None:
+            EpisodeData.from_disk(str(tmp_path), Path(r.path).name)
+
+
+# --- 11. durability --------------------------------------------------------------------------
+
+
+async def test_files_and_folders_are_synced_around_the_rename(
+    runner: AsyncRunner, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    log: list[tuple[str, str]] = []
+    fsync, rename, link = os.fsync, os.rename, os.link
+
+    def logged_fsync(fd: int) -> None:
+        log.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        fsync(fd)
+
+    def logged_rename(src: Any, dst: Any) -> None:
+        rename(src, dst)
+        log.append(("rename", os.fspath(dst)))
+
+    def logged_link(src: Any, dst: Any) -> None:
+        link(src, dst)
+        log.append(("rename", os.fspath(dst)))
+
+    monkeypatch.setattr(os, "fsync", logged_fsync)
+    monkeypatch.setattr(os, "rename", logged_rename)
+    monkeypatch.setattr(os, "link", logged_link)
+    data, compact = tmp_path / "data", tmp_path / "compact"
+    writers = [EpisodeDataWriter(data), CompactEpisodeWriter(compact)]
+    with anyio.fail_after(TIMEOUT):
+        (result,) = await runner.run(1, max_iter=3, sinks=writers)
+    monkeypatch.undo()
+    synced = [path for what, path in log if what == "fsync"]
+    published = [path for what, path in log if what == "rename"]
+
+    def before(path: str, event: tuple[str, str]) -> bool:
+        return ("fsync", path) in log[: log.index(event)]
+
+    # EpisodeData: each file and the folder synced before the folder's rename, its parent after.
+    folder = str(data / (result.name or ""))
+    assert published.count(folder) == 1
+    renamed = ("rename", folder)
+    files = os.listdir(folder)
+    assert len(files) >= 12
+    tmp_folder = next(p for p in synced if TMP_PREFIX in p and p.endswith("/episode"))
+    assert before(tmp_folder, renamed)
+    for name in files:
+        assert before(os.path.join(tmp_folder, name), renamed), name
+    assert ("fsync", str(data)) in log[log.index(renamed) :]
+    # CompactEpisodeData: both files synced under their temporary names, their folder after.
+    npz = str(compact / "CompactEpisodeData" / f"{result.name}.npz")
+    moved = ("rename", npz)
+    parts = [p for p in synced[: log.index(moved)] if p.endswith(".part")]
+    assert any(p.endswith(".json.part") for p in parts) and any(
+        p.endswith(".npz.part") for p in parts
+    )
+    assert ("fsync", str(compact / "CompactEpisodeData")) in log[log.index(moved) :]
