@@ -5,7 +5,6 @@ from __future__ import annotations
 import math
 import subprocess
 import sys
-import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -18,7 +17,7 @@ from grid2op.Agent import BaseAgent, RandomAgent
 from asyncrunner import AsyncRunner, CentralAgent, StepBatch
 from asyncrunner.sinks import CallbackSink
 
-from .test_reliability import children, wait_no_children
+from .helpers import children, wait_no_children
 
 pytestmark = pytest.mark.anyio
 
@@ -30,6 +29,12 @@ KWARGS: dict[str, Any] = dict(
     agent_seeds=[11, 12, 13, 14],
     episode_id=[0, 1, 2, 0],
 )
+
+
+@pytest.fixture(scope="module", params=["asyncio", "trio"])
+def anyio_backend(request: pytest.FixtureRequest) -> str:
+    """The agent runs on the orchestrator's loop: both loops."""
+    return str(request.param)
 
 
 class MLPAgent(BaseAgent):  # type: ignore[misc]
@@ -169,13 +174,10 @@ async def test_async_agent_waits_overlap(env: Any) -> None:
     async with AsyncRunner(env, agent=central, workers=2) as runner:
         with anyio.fail_after(300):
             await runner.run(8, max_iter=1)  # every worker started, its envs built
-            agent.calls = 0
-            start = time.perf_counter()
-            results = await runner.run(8, max_iter=30, env_seeds=list(range(8)))
-            elapsed = time.perf_counter() - start
-    assert agent.calls == sum(r.nb_time_step for r in results) >= 200
-    sequential = agent.calls * agent.delay  # >= 4 s if the calls waited one after the other
-    assert elapsed < sequential / 2
+            agent.calls = agent.max_pending = 0
+            results = await runner.run(8, max_iter=10, env_seeds=list(range(8)))
+    assert agent.calls == sum(r.nb_time_step for r in results) == 80
+    # Calls waited together, not one after the other (how much faster: `asyncrunner bench`).
     assert agent.max_pending > 1
 
 
@@ -271,6 +273,7 @@ async def test_several_envs_per_worker(env: Any) -> None:
         ["examples/async_http_agent.py", "--episodes", "2", "--max-iter", "20"],
     ],
 )
+@pytest.mark.slow  # a Python subprocess per example
 def test_example_runs(script: list[str]) -> None:
     done = subprocess.run(
         [sys.executable, *script], cwd=ROOT, capture_output=True, text=True, timeout=300
@@ -285,7 +288,7 @@ async def test_a_timeout_ends_every_episode_of_the_group(env: Any) -> None:
     async with AsyncRunner(env, agent=central, workers=1) as runner:
         with anyio.fail_after(120):
             results = await runner.run(
-                2, max_iter=20, episode_timeout=2.0, on_error="continue", retries=0
+                2, max_iter=20, episode_timeout=0.5, on_error="continue", retries=0
             )
     assert [r.error.error_type if r.error else None for r in results] == ["EpisodeTimeout"] * 2
 

@@ -398,6 +398,7 @@ if __name__ == "__main__":
 _BAR = re.compile(r"(episode|step):\s+\d+%\|[^|]*\|\s*(\d+)/(\d+)")
 
 
+@pytest.mark.slow  # a Python subprocess
 def test_pbar_true_in_a_script_shows_both_bars_reaching_their_totals(tmp_path: Path) -> None:
     script = tmp_path / "run_with_pbar.py"
     script.write_text(_SCRIPT.format(nb_episode=3, max_iter=5))
