@@ -142,11 +142,23 @@ async def play(
     return [r.as_tuple() for r in results], rewards
 
 
+_IN_WORKER: dict[str, tuple[list[Any], Any]] = {}
+
+
+async def in_worker(env: Any, agent: Any, **kwargs: Any) -> tuple[list[Any], Any]:
+    """``play(env, agent)`` in the workers: the loop plays no part in it, so played once for both
+    loops (``agent``: a class, or a stateless instance such as MLPAgent's)."""
+    key = repr((agent if isinstance(agent, type) else type(agent), sorted(kwargs.items())))
+    if key not in _IN_WORKER:
+        _IN_WORKER[key] = await play(env, agent, **kwargs)
+    return _IN_WORKER[key]
+
+
 async def test_mlp_in_orchestrator_matches_in_worker(env: Any) -> None:
     agent = MLPAgent(env.action_space)
-    in_worker = await play(env, agent)
+    expected = await in_worker(env, agent)
     central = CentralAgent(agent, max_batch=8)
-    assert await play(env, central) == in_worker
+    assert await play(env, central) == expected
     assert len(set(agent.choices)) > 1  # the test would see a wrong action
     assert sum(n * c for n, c in central.batch_sizes.items()) == len(agent.choices)
 
@@ -156,14 +168,14 @@ async def test_vectors_give_the_same_results(env: Any) -> None:
     kwargs: dict[str, Any] = dict(
         nb_episode=2, env_seeds=[1, 2], agent_seeds=None, episode_id=[0, 1]
     )
-    in_worker = await play(env, agent, **kwargs)
-    assert await play(env, CentralAgent(agent, vectors=True), **kwargs) == in_worker
+    expected = await in_worker(env, agent, **kwargs)
+    assert await play(env, CentralAgent(agent, vectors=True), **kwargs) == expected
     assert len(set(agent.choices)) > 1
 
 
 async def test_seeded_agent_class_in_orchestrator_matches_in_worker(env: Any) -> None:
     # One RandomAgent per episode, seeded with its agent seed, as in a worker.
-    assert await play(env, CentralAgent(RandomAgent)) == await play(env, RandomAgent)
+    assert await play(env, CentralAgent(RandomAgent)) == await in_worker(env, RandomAgent)
 
 
 async def test_async_agent_waits_overlap(env: Any) -> None:
@@ -260,9 +272,9 @@ def test_not_an_agent_is_rejected() -> None:
 async def test_several_envs_per_worker(env: Any) -> None:
     # One worker process plays the four episodes at once: same results, batches across them.
     agent = MLPAgent(env.action_space)
-    in_worker = await play(env, agent)
+    expected = await in_worker(env, agent)
     central = CentralAgent(agent, envs_per_worker=4, max_wait=0.5)
-    assert await play(env, central, workers=1, warm_up=4) == in_worker
+    assert await play(env, central, workers=1, warm_up=4) == expected
     assert max(central.batch_sizes) > 1
 
 

@@ -399,15 +399,8 @@ def _local_dir_env(tmp_path: Path) -> Any:
     return quiet(grid2op.make, str(path), experimental_read_from_local_dir=True)
 
 
-@pytest.mark.parametrize(
-    "kind",
-    [
-        "timed_out",
-        pytest.param("masked", marks=pytest.mark.slow),
-        pytest.param("local_dir", marks=pytest.mark.slow),  # generates the env's classes
-        "backend_kwargs",
-    ],
-)
+@pytest.mark.slow  # a special env each (local_dir generates the env's classes)
+@pytest.mark.parametrize("kind", ["timed_out", "masked", "local_dir", "backend_kwargs"])
 def test_env_kinds_grid2op_builds_specially(kind: str, tmp_path: Path) -> None:
     agent: type[BaseAgent] = SampleAgent
     expected_type = "Environment"

@@ -308,6 +308,7 @@ async def _check_replays(events: list[Event], tmp_path: Path) -> None:
     assert sorted(os.listdir(cut)) == sorted(SPACE_FILES)
 
 
+@pytest.mark.slow  # icaps 2021 is a large grid: its env and grid2op's runs take a while
 async def test_opponent_env_saves_what_grid2op_saves(icaps: dict[str, Any], tmp_path: Path) -> None:
     ref_res = icaps["res"]
     assert [res[3] for res in ref_res] == [2, 30]  # a game over, then a full episode

@@ -84,6 +84,7 @@ async def test_one_run_covers_every_mix(
     assert sorted(os.listdir(tmp_path)) == MIXES
 
 
+@pytest.mark.slow  # a compat Runner and its workers per mix
 def test_compat_runner_on_each_mix(multimix: Any, expected: dict[str, tuple[Any, ...]]) -> None:
     # grid2op's documented way: one Runner per mix. A mix after the first
     # has a backend class grid2op built for the grid: it still reaches the workers.
