@@ -180,15 +180,14 @@ async def test_seeded_agent_class_in_orchestrator_matches_in_worker(env: Any) ->
 
 async def test_async_agent_waits_overlap(env: Any) -> None:
     agent = SleepyAgent(env.action_space, delay=0.02)
-    # 8 episodes in flight on 2 processes; vectors=True: the agent ignores its observations,
-    # the test times the waits alone.
-    central = CentralAgent(agent, vectors=True, envs_per_worker=4)
+    # 4 episodes in flight on 2 processes; vectors=True: the agent ignores its observations.
+    central = CentralAgent(agent, vectors=True, envs_per_worker=2)
     async with AsyncRunner(env, agent=central, workers=2) as runner:
         with anyio.fail_after(300):
-            await runner.run(8, max_iter=1)  # every worker started, its envs built
+            await runner.run(4, max_iter=1)  # every worker started, its envs built
             agent.calls = agent.max_pending = 0
-            results = await runner.run(8, max_iter=10, env_seeds=list(range(8)))
-    assert agent.calls == sum(r.nb_time_step for r in results) == 80
+            results = await runner.run(4, max_iter=10, env_seeds=list(range(4)))
+    assert agent.calls == sum(r.nb_time_step for r in results) == 40
     # Calls waited together, not one after the other (how much faster: `asyncrunner bench`).
     assert agent.max_pending > 1
 
