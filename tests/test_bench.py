@@ -20,6 +20,8 @@ TIMING = {
     "episodes_per_s": float,
 }
 LAG = {"p50": float, "p99": float, "max": float, "samples": int}
+pytestmark = pytest.mark.slow  # `asyncrunner bench` in subprocesses
+
 RUNS = ("cold", "warm", "warm_no_sinks", "warm_all_sinks")
 
 

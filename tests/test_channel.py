@@ -13,7 +13,9 @@ import pytest
 from asyncrunner import _channel
 from asyncrunner._channel import ChannelClosed, claim, connect, open_channel
 
-pytestmark = pytest.mark.anyio
+from .helpers import BOTH_LOOPS
+
+pytestmark = [pytest.mark.anyio, BOTH_LOOPS]
 
 
 @pytest.fixture(autouse=True)
@@ -77,7 +79,10 @@ async def test_closing_while_a_frame_arrives(listen: str | None) -> None:
             with sock:
                 sock.connect(channel.address if tcp is None else tcp)
                 sock.sendall(_frame(channel.token.encode() + b" 1"))
-                await anyio.sleep(0.05)  # the runner now waits for the next frame
+                with anyio.fail_after(10):  # the runner read the hello...
+                    while 1 not in channel.pids:  # noqa: ASYNC110 - no event for a read
+                        await anyio.sleep(0.001)
+                await anyio.wait_all_tasks_blocked()  # ...and now waits for the next frame
                 sock.sendall(_frame(pickle.dumps("event")))
                 # The close below runs in the loop turn that sees the frame.
                 await anyio.lowlevel.checkpoint()

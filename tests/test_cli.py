@@ -6,6 +6,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -48,6 +49,7 @@ def _table(stdout: str) -> list[list[str]]:
     return [line.split() for line in lines[1:-1]]
 
 
+@pytest.mark.slow
 def test_run_plays_offline_and_saves_nothing(tmp_path: Path) -> None:
     done = _run(
         [_script(), "run", "--episodes", "2", "--workers", "2", "--max-iter", "5"], tmp_path
@@ -60,6 +62,7 @@ def test_run_plays_offline_and_saves_nothing(tmp_path: Path) -> None:
     assert [p for p in tmp_path.iterdir() if not p.name.startswith(".coverage")] == []
 
 
+@pytest.mark.slow
 def test_python_m_runs_an_agent_from_a_file_with_derived_seeds(tmp_path: Path) -> None:
     (tmp_path / "agents.py").write_text(AGENTS)
     command = [sys.executable, "-m", "asyncrunner", "run", "--agent", "agents.py:Lazy"]
@@ -76,6 +79,7 @@ def test_python_m_runs_an_agent_from_a_file_with_derived_seeds(tmp_path: Path) -
     assert _table(one.stdout) == rows[:1]
 
 
+@pytest.mark.slow
 def test_failed_episode_exits_1_with_the_agents_error(tmp_path: Path) -> None:
     (tmp_path / "agents.py").write_text(AGENTS)
     done = _run(
@@ -88,6 +92,7 @@ def test_failed_episode_exits_1_with_the_agents_error(tmp_path: Path) -> None:
     assert "0/2 episodes played, 2 failed" in done.stdout
 
 
+@pytest.mark.slow
 def test_failed_episode_under_raise_shows_its_traceback(tmp_path: Path) -> None:
     (tmp_path / "agents.py").write_text(AGENTS)
     done = _run([_script(), "run", *SMALL, "--agent", "agents:Boom"], tmp_path)
@@ -96,6 +101,7 @@ def test_failed_episode_under_raise_shows_its_traceback(tmp_path: Path) -> None:
     assert 'agents.py", line' in done.stderr  # where the user's agent raised
 
 
+@pytest.mark.slow
 def test_save_writes_one_folder_per_episode(tmp_path: Path) -> None:
     from grid2op.Episode import EpisodeData
 
@@ -120,27 +126,50 @@ BAD = {
 }
 
 
-@pytest.mark.parametrize(("args", "named"), BAD.values(), ids=BAD.keys())
-def test_bad_arguments_give_one_line_and_exit_2(
-    tmp_path: Path, args: list[str], named: str
-) -> None:
-    done = _run([_script(), "run", *args], tmp_path)
-    assert done.returncode == 2
-    assert "Traceback" not in done.stderr
-    lines = done.stderr.strip().splitlines()
-    assert len(lines) == 2, done.stderr
+def _assert_one_line_error(code: Any, stdout: str, stderr: str, named: str) -> None:
+    assert code == 2
+    assert "Traceback" not in stderr
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 2, stderr
     assert lines[0].startswith("asyncrunner run: error: ") and named in lines[0]
     assert "asyncrunner run --help" in lines[1]
-    assert done.stdout == ""
+    assert stdout == ""
+
+
+@pytest.mark.parametrize(("args", "named"), BAD.values(), ids=BAD.keys())
+def test_bad_arguments_give_one_line_and_exit_2(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    args: list[str],
+    named: str,
+) -> None:
+    from asyncrunner._cli import main
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["run", *args])
+    out, err = capsys.readouterr()
+    _assert_one_line_error(exit_info.value.code, out, err, named)
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.slow  # the same, from the console script a user's shell runs
+def test_bad_arguments_from_the_console_script(tmp_path: Path) -> None:
+    args, named = BAD["episode id out of range"]
+    done = _run([_script(), "run", *args], tmp_path)
+    _assert_one_line_error(done.returncode, done.stdout, done.stderr, named)
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.slow
 def test_no_command_points_to_run(tmp_path: Path) -> None:
     done = _run([_script()], tmp_path)
     assert done.returncode == 2
     assert "choose a command: run" in done.stderr
 
 
+@pytest.mark.slow
 def test_example_script_runs(tmp_path: Path) -> None:
     script = ROOT / "examples" / "run_script.py"
     args = ["--episodes", "2", "--workers", "1", "--max-iter", "3"]

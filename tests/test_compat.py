@@ -24,15 +24,9 @@ from grid2op.Runner import Runner as GridRunner
 from asyncrunner import compat
 
 from .conftest import LightSimBackend, make_env
+from .helpers import SampleAgent, quiet
 
 GRID2OP_DATA = Path(grid2op.__file__).parent / "data"
-
-
-class SampleAgent(BaseAgent):  # type: ignore[misc]  # grid2op is untyped
-    """A random agent that costs nothing to build: samples its (seeded) action space."""
-
-    def act(self, observation: Any, reward: float, done: bool = False) -> Any:
-        return self.action_space.sample()
 
 
 class SimulatingAgent(BaseAgent):  # type: ignore[misc]  # grid2op is untyped
@@ -58,12 +52,6 @@ if LightSimBackend is not None:
         def __init__(self, tag: float = 0.0, **kwargs: Any) -> None:
             super().__init__(**kwargs)
             self._my_kwargs["tag"] = tag
-
-
-def quiet(fn: Any, *args: Any, **kwargs: Any) -> Any:
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return fn(*args, **kwargs)
 
 
 def grid_runner(env: Any, **kwargs: Any) -> Any:
@@ -110,20 +98,25 @@ def assert_same_episode_data(ours: Any, theirs: Any) -> None:
     ("name", "agent", "make_kwargs", "episode_id"),
     [
         # a high-resolution simulation per step, another reward, an id beyond the chronics count
-        (
+        pytest.param(
             "l2rpn_case14_sandbox",
             SimulatingAgent,
             {"other_rewards": {"l2": L2RPNReward}},
             [0, 4, 2],
+            marks=pytest.mark.slow,
         ),
         # an opponent (attacks in the EpisodeData), a random agent
         ("rte_case14_opponent", SampleAgent, {}, [0, 1, 0]),
     ],
 )
 def test_run_matches_grid2op_with_detailed_output(
-    name: str, agent: type[BaseAgent], make_kwargs: dict[str, Any], episode_id: list[int]
+    wheel_env: Any,
+    name: str,
+    agent: type[BaseAgent],
+    make_kwargs: dict[str, Any],
+    episode_id: list[int],
 ) -> None:
-    env = make_env(name, **make_kwargs)
+    env = wheel_env(name, **make_kwargs)
     kwargs: dict[str, Any] = dict(
         nb_episode=3,
         max_iter=8,
@@ -144,11 +137,9 @@ def test_run_matches_grid2op_with_detailed_output(
         assert [r[6] for r in results] == [r[3] for r in results]  # one per step
     for ours, theirs in zip(results, expected, strict=True):
         assert_same_episode_data(ours[5], theirs[5])
-    env.close()
 
 
-def test_compact_episode_data_matches_grid2op(tmp_path: Path) -> None:
-    env = make_env()
+def test_compact_episode_data_matches_grid2op(env: Any, tmp_path: Path) -> None:
     kwargs: dict[str, Any] = dict(
         nb_episode=2,
         max_iter=6,
@@ -181,8 +172,9 @@ def test_compact_episode_data_matches_grid2op(tmp_path: Path) -> None:
             assert same_array(getattr(on_disk, array), getattr(other, array)), array
 
 
-def test_a_with_block_keeps_one_pool_and_saving_replaces_like_grid2op(tmp_path: Path) -> None:
-    env = make_env()
+def test_a_with_block_keeps_one_pool_and_saving_replaces_like_grid2op(
+    env: Any, tmp_path: Path
+) -> None:
     path = tmp_path / "runs"
     kwargs: dict[str, Any] = dict(nb_episode=2, env_seeds=[5, 6], agent_seeds=[7, 8])
     with compat_runner(env, agentClass=DoNothingAgent) as runner:
@@ -193,7 +185,7 @@ def test_a_with_block_keeps_one_pool_and_saving_replaces_like_grid2op(tmp_path: 
         second = runner.run(path_save=path, max_iter=6, nb_process=2, **kwargs)
         assert runner._ar_session is session and session.runner is pool
         pids = set(pool._pids)
-        assert 1 <= len(pids) <= 2  # the pool's two workers served both runs
+        assert len(pids) == 2  # the pool's two workers (both warmed up) served both runs
     assert runner._ar_session is None
     assert [r[3] for r in first] == [4, 4] and [r[3] for r in second] == [6, 6]
     expected = quiet(grid_runner(env, agentClass=DoNothingAgent).run, max_iter=6, **kwargs)
@@ -208,12 +200,10 @@ def test_a_with_block_keeps_one_pool_and_saving_replaces_like_grid2op(tmp_path: 
 
 
 @pytest.fixture(scope="module")
-def runners() -> Iterator[tuple[Any, compat.Runner]]:
-    env = make_env()
+def runners(env: Any) -> Iterator[tuple[Any, compat.Runner]]:
     ours = compat_runner(env)
     yield grid_runner(env), ours
     ours.close()
-    env.close()
 
 
 @pytest.mark.parametrize(
@@ -248,8 +238,7 @@ def test_bad_arguments_raise_grid2op_errors(
     assert ours._ar_session is None  # failed before any worker started
 
 
-def test_run_one_episode_matches_grid2op() -> None:
-    env = make_env()
+def test_run_one_episode_matches_grid2op(env: Any) -> None:
     kwargs: dict[str, Any] = dict(max_iter=5, env_seed=3, agent_seed=4, add_nb_highres_sim=True)
     expected = quiet(
         grid_runner(env, agentClass=SampleAgent).run_one_episode,
@@ -272,10 +261,9 @@ def test_run_one_episode_matches_grid2op() -> None:
     runner.close()
 
 
-def test_reset_options_and_init_states_match_grid2op() -> None:
+def test_reset_options_and_init_states_match_grid2op(env: Any) -> None:
     # grid2op's test_reset_options_runner.py, on an env of the wheel: per-episode options, and
     # run()'s own arguments overriding them (with grid2op's warnings).
-    env = make_env()
     options = [
         {"time serie id": 1, "max step": 4},
         {"init state": {"set_line_status": [(1, -1)]}, "max step": 3},
@@ -314,13 +302,10 @@ def test_reset_options_and_init_states_match_grid2op() -> None:
             assert same_array(status, theirs_r[5].observations[0].line_status)
             assert same_array(ours_r[5].rewards, theirs_r[5].rewards)
     ours.close()
-    env.close()
 
 
 @pytest.mark.anyio
-@pytest.mark.parametrize("anyio_backend", ["asyncio"])
-async def test_run_called_where_an_event_loop_is_running() -> None:
-    env = make_env()
+async def test_run_called_where_an_event_loop_is_running(env: Any) -> None:
     kwargs: dict[str, Any] = dict(nb_episode=2, max_iter=5, env_seeds=[1, 2], agent_seeds=[3, 4])
     expected = quiet(grid_runner(env, agentClass=SampleAgent).run, **kwargs)
     asyncio.get_running_loop()  # raises if no loop runs here
@@ -329,9 +314,9 @@ async def test_run_called_where_an_event_loop_is_running() -> None:
     assert head(results) == head(expected)
     one = runner.run_one_episode(indx=1, max_iter=5, env_seed=2, agent_seed=4)
     assert head([one]) == head(expected[1:])
-    env.close()
 
 
+@pytest.mark.slow  # a score: several agents over two scenarios, twice
 def test_l2rpn_2020_score_is_the_same_with_compat(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -375,8 +360,7 @@ def test_l2rpn_2020_score_is_the_same_with_compat(
     assert len(scores) == len(n_played) == 2 and min(n_played) > 0
 
 
-def test_an_agent_that_cannot_be_pickled_plays_in_process() -> None:
-    env = make_env()
+def test_an_agent_that_cannot_be_pickled_plays_in_process(env: Any) -> None:
     agent = SampleAgent(env.action_space)
     agent.lock = multiprocessing.Lock().__enter__  # a bound method of a lock: not picklable
     kwargs: dict[str, Any] = dict(nb_episode=2, max_iter=4, env_seeds=[1, 2], agent_seeds=[3, 4])
@@ -386,7 +370,6 @@ def test_an_agent_that_cannot_be_pickled_plays_in_process() -> None:
         results = runner.run(nb_process=2, **kwargs)
     assert head(results) == head(expected)
     assert runner._ar_session is None and runner._ar_env is None  # no worker, no extra env
-    env.close()
 
 
 class _HookedRunner(compat.Runner):
@@ -398,14 +381,12 @@ class _HookedRunner(compat.Runner):
         return env
 
 
-def test_a_subclass_building_the_env_itself_plays_in_process() -> None:
-    env = make_env()
+def test_a_subclass_building_the_env_itself_plays_in_process(env: Any) -> None:
     runner = quiet(_HookedRunner, **env.get_params_for_runner(), agentClass=DoNothingAgent)
     with pytest.warns(UserWarning, match="overrides Runner.init_env"):
         (low,) = runner.run(nb_episode=1, max_iter=20, env_seeds=[1])
     (normal,) = quiet(grid_runner(env).run, nb_episode=1, max_iter=20, env_seeds=[1])
     assert low[3] < normal[3]  # the hook did act: lower limits, earlier game over
-    env.close()
 
 
 def _local_dir_env(tmp_path: Path) -> Any:
@@ -418,6 +399,7 @@ def _local_dir_env(tmp_path: Path) -> Any:
     return quiet(grid2op.make, str(path), experimental_read_from_local_dir=True)
 
 
+@pytest.mark.slow  # a special env each (local_dir generates the env's classes)
 @pytest.mark.parametrize("kind", ["timed_out", "masked", "local_dir", "backend_kwargs"])
 def test_env_kinds_grid2op_builds_specially(kind: str, tmp_path: Path) -> None:
     agent: type[BaseAgent] = SampleAgent

@@ -23,7 +23,7 @@ from asyncrunner.sinks import CallbackSink
 
 distributed = pytest.importorskip("distributed")
 
-pytestmark = pytest.mark.anyio
+pytestmark = [pytest.mark.anyio, pytest.mark.slow]  # Dask clusters and their processes
 
 ROOT = Path(__file__).resolve().parent.parent
 KWARGS: dict[str, Any] = dict(
@@ -33,11 +33,6 @@ KWARGS: dict[str, Any] = dict(
     agent_seeds=[11, 12, 13, 14],
     episode_id=[0, 1, 0, 1],
 )
-
-
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,6 @@ import dataclasses
 import json
 import os
 import warnings
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +31,7 @@ from asyncrunner._events import (
 from asyncrunner.sinks import CallbackSink, CompactEpisodeWriter, EpisodeDataWriter
 from asyncrunner.sinks._episode_data import TMP_PREFIX
 
-from .conftest import make_env
+from .helpers import BOTH_LOOPS
 
 pytestmark = pytest.mark.anyio
 
@@ -84,13 +83,6 @@ class _SometimesRandom(BaseAgent):  # type: ignore[misc]  # grid2op is untyped
         return self.action_space()
 
 
-def _case14_env() -> Any:
-    # other rewards, named out of order: CompactEpisodeData sorts them
-    return make_env(
-        "l2rpn_case14_sandbox", other_rewards={"zeta": L2RPNReward, "alpha": FlatReward}
-    )
-
-
 def _grid2op_run(env: Any, agent: type, path: Path, compact: bool, **kwargs: Any) -> list[Any]:
     path.mkdir(parents=True, exist_ok=True)
     runner = Runner(
@@ -102,24 +94,25 @@ def _grid2op_run(env: Any, agent: type, path: Path, compact: bool, **kwargs: Any
 
 
 @pytest.fixture(scope="module")
-def case14(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+def case14(wheel_env: Any, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """The env, and what grid2op's Runner saved for CASE14 (EpisodeData and compact)."""
-    env = _case14_env()
+    # other rewards, named out of order: CompactEpisodeData sorts them
+    env = wheel_env(
+        "l2rpn_case14_sandbox", other_rewards={"zeta": L2RPNReward, "alpha": FlatReward}
+    )
     root = tmp_path_factory.mktemp("grid2op_case14")
     res = _grid2op_run(env, RandomAgent, root / "full", False, **CASE14)
     _grid2op_run(env, RandomAgent, root / "compact", True, **CASE14)
-    yield {"env": env, "path": root / "full", "compact": root / "compact", "res": res}
-    env.close()
+    return {"env": env, "path": root / "full", "compact": root / "compact", "res": res}
 
 
 @pytest.fixture(scope="module")
-def icaps(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
-    env = make_env("l2rpn_icaps_2021")
+def icaps(wheel_env: Any, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    env = wheel_env("l2rpn_icaps_2021")
     root = tmp_path_factory.mktemp("grid2op_icaps")
     res = _grid2op_run(env, _SometimesRandom, root / "full", False, **ICAPS)
     _grid2op_run(env, _SometimesRandom, root / "compact", True, **ICAPS)
-    yield {"env": env, "path": root / "full", "compact": root / "compact", "res": res}
-    env.close()
+    return {"env": env, "path": root / "full", "compact": root / "compact", "res": res}
 
 
 # --- helpers ------------------------------------------------------------------------------------
@@ -315,6 +308,7 @@ async def _check_replays(events: list[Event], tmp_path: Path) -> None:
     assert sorted(os.listdir(cut)) == sorted(SPACE_FILES)
 
 
+@pytest.mark.slow  # icaps 2021 is a large grid: its env and grid2op's runs take a while
 async def test_opponent_env_saves_what_grid2op_saves(icaps: dict[str, Any], tmp_path: Path) -> None:
     ref_res = icaps["res"]
     assert [res[3] for res in ref_res] == [2, 30]  # a game over, then a full episode
@@ -388,6 +382,7 @@ class _CancelWhileWriting(EpisodeDataWriter):
         self.written.append(buffer.started.name)
 
 
+@BOTH_LOOPS
 async def test_cancel_leaves_complete_folders_and_resume_finishes(
     case14: dict[str, Any], tmp_path: Path
 ) -> None:

@@ -13,7 +13,9 @@ from anyio import BrokenWorkerProcess
 
 from asyncrunner._forkpool import ForkPool
 
-pytestmark = pytest.mark.anyio
+from .helpers import BOTH_LOOPS, alive
+
+pytestmark = [pytest.mark.anyio, BOTH_LOOPS]
 
 
 def pid_plus(value: int) -> tuple[int, int]:
@@ -36,14 +38,6 @@ def sleeps(path: str) -> None:
     with open(path, "w") as f:
         f.write(str(os.getpid()))
     time.sleep(60)
-
-
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 async def test_calls_run_in_a_kept_forked_worker() -> None:

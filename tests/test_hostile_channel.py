@@ -33,6 +33,13 @@ from asyncrunner._channel import _frame, open_channel
 
 pytestmark = pytest.mark.anyio
 
+
+@pytest.fixture(params=["asyncio", "trio"])
+def anyio_backend(request: pytest.FixtureRequest) -> str:
+    """The channel's loop matters: both loops (tests that spawn processes ask for asyncio)."""
+    return str(request.param)
+
+
 ROOT = Path(__file__).resolve().parent.parent
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -16,17 +15,11 @@ from asyncrunner import AsyncRunner, EpisodeStarted, compat
 from asyncrunner.sinks import CallbackSink
 
 from .conftest import make_env
-from .test_compat import SampleAgent
+from .helpers import SampleAgent, quiet
 
 # l2rpn_neurips_2020_track2 (test data): two mixes, "x1" and "x2.5", two chronics each.
 MIXES = ["x1", "x2.5"]
 KWARGS: dict[str, Any] = dict(max_iter=4, env_seeds=[7], agent_seeds=[8], episode_id=[1])
-
-
-def quiet(fn: Any, *args: Any, **kwargs: Any) -> Any:
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return fn(*args, **kwargs)
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +42,6 @@ def expected(multimix: Any) -> dict[str, tuple[Any, ...]]:
 
 
 @pytest.mark.anyio
-@pytest.mark.parametrize("anyio_backend", ["asyncio"])
 async def test_one_run_covers_every_mix(
     multimix: Any, expected: dict[str, tuple[Any, ...]], tmp_path: Path
 ) -> None:
@@ -92,6 +84,7 @@ async def test_one_run_covers_every_mix(
     assert sorted(os.listdir(tmp_path)) == MIXES
 
 
+@pytest.mark.slow  # a compat Runner and its workers per mix
 def test_compat_runner_on_each_mix(multimix: Any, expected: dict[str, tuple[Any, ...]]) -> None:
     # grid2op's documented way: one Runner per mix. A mix after the first
     # has a backend class grid2op built for the grid: it still reaches the workers.
@@ -117,7 +110,6 @@ def test_compat_runner_on_each_mix(multimix: Any, expected: dict[str, tuple[Any,
     ],
 )
 @pytest.mark.anyio
-@pytest.mark.parametrize("anyio_backend", ["asyncio"])
 async def test_bad_multimix_episode_ids_fail_before_any_work(
     multimix: Any, episode_id: list[Any], error: type[Exception], words: str
 ) -> None:

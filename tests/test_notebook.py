@@ -11,6 +11,8 @@ nbclient = pytest.importorskip("nbclient")
 pytest.importorskip("ipykernel")
 pytest.importorskip("matplotlib")
 
+pytestmark = pytest.mark.slow  # a Jupyter kernel running the whole notebook
+
 NOTEBOOK = Path(__file__).resolve().parents[1] / "examples" / "notebook.ipynb"
 
 

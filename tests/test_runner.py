@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import multiprocessing
-import warnings
 from concurrent.futures import ProcessPoolExecutor
 from typing import Any
 
@@ -12,30 +11,13 @@ import numpy as np
 import pytest
 from grid2op.Agent import BaseAgent, DoNothingAgent, RandomAgent
 from grid2op.Reward import AlarmReward
-from grid2op.Runner import Runner
 
 from asyncrunner import AsyncRunner, EpisodeFinished, EpisodeStarted, StepBatch
 from asyncrunner.sinks import CallbackSink
 
-from .conftest import make_env
+from .helpers import BOTH_LOOPS
 
 pytestmark = pytest.mark.anyio
-
-
-_EXPECTED: dict[str, list[tuple[Any, ...]]] = {}
-
-
-def grid2op_results(env: Any, agent: type[BaseAgent], **kwargs: Any) -> list[tuple[Any, ...]]:
-    """What grid2op's Runner gives; computed once for the asyncio and trio runs of a test."""
-    limits = env.get_thermal_limit().tolist()
-    key = repr((env.env_name, env._rewardClass, limits, agent, sorted(kwargs.items())))
-    if key not in _EXPECTED:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            runner = Runner(**env.get_params_for_runner(), agentClass=agent)
-            results = runner.run(nb_process=1, **kwargs)
-        _EXPECTED[key] = [(str(r[0]), *r[1:5]) for r in results]
-    return _EXPECTED[key]
 
 
 class AlarmAgent(BaseAgent):  # type: ignore[misc]  # grid2op is untyped
@@ -48,16 +30,19 @@ class AlarmAgent(BaseAgent):  # type: ignore[misc]  # grid2op is untyped
 @pytest.mark.parametrize(
     ("name", "agent", "workers"),
     [
+        # the fast tier: a random agent on two workers, with and without an opponent
         ("l2rpn_case14_sandbox", RandomAgent, 2),
-        ("l2rpn_case14_sandbox", DoNothingAgent, 1),
         ("rte_case14_opponent", RandomAgent, 2),
-        ("rte_case14_opponent", DoNothingAgent, 1),
-        ("educ_case14_storage", RandomAgent, 1),
-        ("educ_case14_storage", DoNothingAgent, 2),
+        pytest.param("l2rpn_case14_sandbox", DoNothingAgent, 1, marks=pytest.mark.slow),
+        pytest.param("rte_case14_opponent", DoNothingAgent, 1, marks=pytest.mark.slow),
+        pytest.param("educ_case14_storage", RandomAgent, 1, marks=pytest.mark.slow),
+        pytest.param("educ_case14_storage", DoNothingAgent, 2, marks=pytest.mark.slow),
     ],
 )
-async def test_parity_with_grid2op_runner(name: str, agent: type[BaseAgent], workers: int) -> None:
-    env = make_env(name)
+async def test_parity_with_grid2op_runner(
+    wheel_env: Any, grid2op_reference: Any, name: str, agent: type[BaseAgent], workers: int
+) -> None:
+    env = wheel_env(name)
     # More episodes than workers, one chronic played twice, seeds and max_iter given.
     kwargs: dict[str, Any] = dict(
         nb_episode=3,
@@ -66,16 +51,15 @@ async def test_parity_with_grid2op_runner(name: str, agent: type[BaseAgent], wor
         agent_seeds=[21, 22, 23],
         episode_id=[0, 1, 0],
     )
-    expected = grid2op_results(env, agent, **kwargs)
+    expected = grid2op_reference(env, agent, **kwargs)
     async with AsyncRunner(env, agent=agent, workers=workers) as runner:
         results = await runner.run(**kwargs)
     assert [r.as_tuple() for r in results] == expected
     assert [r.index for r in results] == [0, 1, 2]
     assert all(r.error is None for r in results)
-    env.close()
 
 
-async def test_env_built_once_per_worker_and_reused(env: Any) -> None:
+async def test_env_built_once_per_worker_and_reused(env: Any, grid2op_reference: Any) -> None:
     started: list[EpisodeStarted] = []
     sink = CallbackSink(lambda e: started.append(e) if isinstance(e, EpisodeStarted) else None)
     kwargs: dict[str, Any] = dict(
@@ -95,10 +79,10 @@ async def test_env_built_once_per_worker_and_reused(env: Any) -> None:
     assert len(by_worker) == 2  # both workers served, across both runs
     assert all(set(builds) == {1} for builds in by_worker.values())  # one env build each
     assert [r.as_tuple() for r in first] == [r.as_tuple() for r in second]
-    assert [r.as_tuple() for r in first] == grid2op_results(env, RandomAgent, **kwargs)
+    assert [r.as_tuple() for r in first] == grid2op_reference(env, RandomAgent, **kwargs)
 
 
-async def test_thermal_limit_reset_option_does_not_leak(env: Any) -> None:
+async def test_thermal_limit_reset_option_does_not_leak(env: Any, grid2op_reference: Any) -> None:
     low = env.get_thermal_limit() * 0.5
     kwargs: dict[str, Any] = dict(
         nb_episode=3,
@@ -108,7 +92,7 @@ async def test_thermal_limit_reset_option_does_not_leak(env: Any) -> None:
         episode_id=[0, 1, 2],
         reset_options=[{"thermal limit": low}, {}, {}],
     )
-    expected = grid2op_results(env, DoNothingAgent, **kwargs)
+    expected = grid2op_reference(env, DoNothingAgent, **kwargs)
     # One worker: the episodes after the first reuse the env that had the low limits.
     async with AsyncRunner(env, agent=DoNothingAgent, workers=1) as runner:
         results = await runner.run(**kwargs)
@@ -116,22 +100,19 @@ async def test_thermal_limit_reset_option_does_not_leak(env: Any) -> None:
     assert results[0].nb_time_step < results[1].nb_time_step  # the option did act
 
 
-async def test_alarm_reward_state_does_not_leak() -> None:
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        env = make_env("l2rpn_icaps_2021", reward_class=AlarmReward)
+async def test_alarm_reward_state_does_not_leak(wheel_env: Any, grid2op_reference: Any) -> None:
+    env = wheel_env("l2rpn_icaps_2021", reward_class=AlarmReward)
     kwargs: dict[str, Any] = dict(
         nb_episode=3, max_iter=15, env_seeds=[1, 2, 3], agent_seeds=[4, 5, 6], episode_id=[0, 1, 0]
     )
-    expected = grid2op_results(env, AlarmAgent, **kwargs)
+    expected = grid2op_reference(env, AlarmAgent, **kwargs)
     async with AsyncRunner(env, agent=AlarmAgent, workers=1) as runner:
         results = await runner.run(**kwargs)
     assert [r.as_tuple() for r in results] == expected
-    env.close()
 
 
-@pytest.mark.parametrize("anyio_backend", ["asyncio"])
-async def test_spawn_start_method_with_an_executor(env: Any) -> None:
+@pytest.mark.slow  # spawned workers import everything afresh
+async def test_spawn_start_method_with_an_executor(env: Any, grid2op_reference: Any) -> None:
     kwargs: dict[str, Any] = dict(
         nb_episode=3, max_iter=10, env_seeds=[1, 2, 3], agent_seeds=[4, 5, 6], episode_id=[0, 1, 2]
     )
@@ -139,9 +120,10 @@ async def test_spawn_start_method_with_an_executor(env: Any) -> None:
     with ProcessPoolExecutor(max_workers=2, mp_context=context) as executor:
         async with AsyncRunner(env, agent=RandomAgent, workers=2, executor=executor) as runner:
             results = await runner.run(**kwargs)
-    assert [r.as_tuple() for r in results] == grid2op_results(env, RandomAgent, **kwargs)
+    assert [r.as_tuple() for r in results] == grid2op_reference(env, RandomAgent, **kwargs)
 
 
+@BOTH_LOOPS
 async def test_stream_gives_events_in_episode_order(env: Any) -> None:
     async with AsyncRunner(env, agent=DoNothingAgent, workers=2) as runner:
         async with runner.stream(2, max_iter=70, episode_id=[0, 1]) as events:
@@ -163,6 +145,7 @@ async def test_stream_gives_events_in_episode_order(env: Any) -> None:
         assert batches[0].observations.shape == (len(batches[0]), env.observation_space.n)
 
 
+@BOTH_LOOPS
 async def test_leaving_a_stream_early_cancels_the_run(env: Any) -> None:
     async with AsyncRunner(env, agent=DoNothingAgent, workers=1) as runner:
         with anyio.fail_after(60):
@@ -204,7 +187,6 @@ class _Unpicklable(DoNothingAgent):  # type: ignore[misc]  # grid2op is untyped
         self.lock = multiprocessing.Lock().__enter__  # bound method of a lock: not picklable
 
 
-@pytest.mark.parametrize("anyio_backend", ["asyncio"])
 async def test_bad_runner_arguments(env: Any) -> None:
     with pytest.raises(ValueError, match="workers"):
         AsyncRunner(env, agent=DoNothingAgent, workers=0)
@@ -212,7 +194,7 @@ async def test_bad_runner_arguments(env: Any) -> None:
         AsyncRunner(env, agent=int)
     with pytest.raises(TypeError, match="cannot be pickled"):
         AsyncRunner(env, agent=_Unpicklable(env.action_space))
-    closed = make_env()
+    closed = env.copy()
     closed.close()
     with pytest.raises(ValueError, match="closed"):
         AsyncRunner(closed, agent=DoNothingAgent)

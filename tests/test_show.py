@@ -12,6 +12,8 @@ import pytest
 
 from .conftest import make_env
 
+pytestmark = pytest.mark.slow  # the CLI in subprocesses
+
 ROOT = Path(__file__).resolve().parent.parent
 
 

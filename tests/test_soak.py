@@ -9,7 +9,7 @@ from grid2op.Agent import RandomAgent
 
 from asyncrunner import AsyncRunner
 
-pytestmark = pytest.mark.anyio
+pytestmark = [pytest.mark.anyio, pytest.mark.slow]  # 600 episodes
 
 
 def rss_mib() -> float:
@@ -20,7 +20,6 @@ def rss_mib() -> float:
     raise AssertionError("no VmRSS in /proc/self/status")
 
 
-@pytest.mark.parametrize("anyio_backend", ["asyncio"])
 async def test_500_short_episodes_keep_parent_memory_flat(env: Any, tmp_path: Any) -> None:
     # RandomAgent games end in a game over within a few steps: 500 episodes, mostly overhead.
     seeds = list(range(500))

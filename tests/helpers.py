@@ -1,0 +1,69 @@
+"""Helpers shared by several test modules (test modules never import each other)."""
+
+from __future__ import annotations
+
+import os
+import warnings
+from typing import Any
+
+import anyio
+import pytest
+from grid2op.Agent import BaseAgent
+
+# For a test whose behaviour depends on the event loop (channel, cancellation, streams, central
+# agents, backpressure, the pool): run it on asyncio and trio. Everything else runs on asyncio.
+BOTH_LOOPS = pytest.mark.parametrize("anyio_backend", ["asyncio", "trio"])
+
+
+def quiet(fn: Any, *args: Any, **kwargs: Any) -> Any:
+    """``fn(*args, **kwargs)`` without the warnings grid2op gives on the way."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return fn(*args, **kwargs)
+
+
+class SampleAgent(BaseAgent):  # type: ignore[misc]  # grid2op is untyped
+    """A random agent that costs nothing to build: samples its (seeded) action space."""
+
+    def act(self, observation: Any, reward: float, done: bool = False) -> Any:
+        return self.action_space.sample()
+
+
+def alive(pid: int) -> bool:
+    """The process exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def children() -> set[int]:
+    """Pids of this process's live children (zombies excluded)."""
+    me = os.getpid()
+    found = set()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == me and fields[0] != "Z":
+            found.add(int(entry))
+    return found
+
+
+async def wait_no_children(before: set[int], seconds: float = 10) -> None:
+    """Wait until every child started since ``before`` has exited."""
+    with anyio.fail_after(seconds):
+        while children() - before:  # noqa: ASYNC110 - a process exit elsewhere has no event
+            await anyio.sleep(0.05)
+
+
+async def wait_dead(pids: list[int] | set[int], seconds: float = 10) -> None:
+    """Wait until none of ``pids`` is alive (processes that are not our children)."""
+    with anyio.fail_after(seconds):
+        while any(alive(pid) for pid in pids):  # noqa: ASYNC110 - no event for another's exit
+            await anyio.sleep(0.05)
