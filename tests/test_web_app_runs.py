@@ -114,3 +114,41 @@ async def test_viewers_counts_open_streams() -> None:
         # The server sees the closed connection.
         await _wait_for(client, run_id, lambda s: s["viewers"] == 0)
         await client.delete(f"/runs/{run_id}")
+
+
+@pytest.mark.slow
+async def test_page_chart_has_a_legend_and_ticks(tmp_path: Path) -> None:
+    import shutil
+    import subprocess
+
+    binary = shutil.which("chromium")
+    if binary is None:
+        pytest.skip("chromium is not installed (bash .ci/run installs it with apt-get)")
+    async with serving() as client:
+        run = (await client.post("/runs", json={"episodes": 4, "max_iter": 200, "seed": 0})).json()
+        page = f"{client.base_url}?run={run['id']}"
+        command = [
+            binary,
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--disable-dev-shm-usage",
+            "--disable-background-networking",
+            "--disable-component-update",
+            "--disable-sync",
+            "--no-first-run",
+            f"--user-data-dir={tmp_path / 'profile'}",
+            "--virtual-time-budget=120000",  # waits for the event stream, which ends with the run
+            "--dump-dom",
+            page,
+        ]
+        done = await anyio.to_thread.run_sync(
+            lambda: subprocess.run(command, capture_output=True, text=True, timeout=240, check=True)
+        )
+    chart = done.stdout.split('<svg id="chart"', 1)[1].split("</svg>", 1)[0]
+    # A legend entry per episode, the repeated chronic included, and round ticks on both axes.
+    for label in ("episode 0 (0000)", "episode 1 (0001)", "episode 2 (0002)", "episode 3 (0000)"):
+        assert label in chart, chart
+    assert all(f">{x}</text>" in chart for x in (0, 50, 100, 150, 200)), chart
+    assert ">cumulative reward</text>" in chart and ">step</text>" in chart
+    assert chart.count("<path d=") == 4
