@@ -197,11 +197,11 @@ def shell(tmp_path: Path) -> Iterator[Shell]:
 def _plan(command: Command, shell: Shell, ports: dict[str, int]) -> None:
     text = command.text.replace("8000", str(ports["web"])).replace("8786", str(ports["dask"]))
     text = text.replace("SCHEDULER_HOST", "127.0.0.1")
-    if text.startswith("pip install"):
-        shell.run(text, timeout=1500)
-    elif text.endswith("python -m pytest"):
-        out = shell.run(text + " --collect-only -q", timeout=600)
+    if text.endswith("python -m pytest"):  # after `pip install ... &&`
+        out = shell.run(text + " --collect-only -q", timeout=1500)
         assert re.search(r"\d+ tests collected", out), out[-2000:]
+    elif text.startswith("pip install"):
+        shell.run(text, timeout=1500)
     elif text.startswith(("asyncrunner bench", "python examples/bench_central.py")):
         shell.run(text + " --episodes 2 --max-iter 10", timeout=600)
     elif text.startswith("python examples/web_app.py"):
