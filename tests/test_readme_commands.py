@@ -9,6 +9,7 @@ How each kind of command is run (`_plan`):
   section's other commands ran against them;
 - fixed ports (8000, 8786) become free ports and `SCHEDULER_HOST` is 127.0.0.1; `uvicorn` gets
   its port from `UVICORN_PORT`, so its command stays as written;
+- as root (CI), `jupyter notebook` is allowed to run as root by the test's Jupyter config;
 - the names the README leaves to the user exist: `my_agents.py` (class `MyAgent`) in the
   working folder, importable by the Dask worker, and `path/to/my_env` (a copy of the test env);
 - `python -m pytest` collects the suite (`--collect-only`: running it is .ci/run's job), and
@@ -181,6 +182,10 @@ def shell(tmp_path: Path) -> Iterator[Shell]:
         BROWSER="true",  # `jupyter notebook` opens a browser: here the `true` command
     )
     env.pop("PYTEST_CURRENT_TEST", None)
+    if os.geteuid() == 0:  # CI runs as root, where `jupyter notebook` asks for --allow-root
+        config = tmp_path / "jupyter-config"
+        config.mkdir()
+        (config / "jupyter_server_config.json").write_text('{"ServerApp": {"allow_root": true}}')
     # What the README leaves to the user: their agent module and their env folder.
     (repo / "my_agents.py").write_text(MY_AGENTS)
     import grid2op
