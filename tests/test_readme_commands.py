@@ -220,7 +220,9 @@ def _plan(command: Command, shell: Shell, ports: dict[str, int]) -> None:
         served = r"(http://(?:localhost|127\.0\.0\.1):\d+)/\S*token=(\w+)"
         log = shell.start(text, lambda out: re.search(served, out) is not None)
         url, token = re.findall(served, log)[0]
-        notebook = f"{url}/api/contents/examples/notebook.ipynb?token={token}"
+        root = re.findall(r"Serving notebooks from local directory: (\S+)", log)[0]
+        path = os.path.relpath(shell.cwd / "examples" / "notebook.ipynb", root)
+        notebook = f"{url}/api/contents/{path}?token={token}"
         assert _http_ok(notebook), log  # the server serves the example notebook
     elif text.startswith("dask scheduler"):
         shell.start(text, lambda out: "Scheduler at:" in out)
