@@ -91,9 +91,10 @@ async def main(args: argparse.Namespace) -> None:
         await runner.run(args.workers * args.envs_per_worker, max_iter=1)
         central.batch_sizes.clear()
         in_orchestrator, rate_central = await timed(runner, **kwargs)
-    for (name, steps, reward), other in zip(in_worker, in_orchestrator, strict=True):
+    # as_tuple()[1:4] is (name, cum_reward, nb_time_step), as grid2op's Runner orders them.
+    for (name, reward, steps), other in zip(in_worker, in_orchestrator, strict=True):
         print(
-            f"{name}: {steps} steps, reward {reward:.1f}  (orchestrator: {other[1]}, {other[2]:.1f})"
+            f"{name}: {steps} steps, reward {reward:.1f}  (orchestrator: {other[2]}, {other[1]:.1f})"
         )
     batches = sum(central.batch_sizes.values())
     mean = sum(k * v for k, v in central.batch_sizes.items()) / max(batches, 1)

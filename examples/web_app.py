@@ -4,12 +4,16 @@ Run it with ``python examples/web_app.py [--port 8000] [--workers 2] [--agent Do
 (or ``uvicorn examples.web_app:app``) and open http://127.0.0.1:8000/.
 
 - ``POST /runs`` (JSON ``{"episodes": 2, "max_iter": 100, "seed": 0}``) starts an evaluation in
-  the background and answers at once with its id.
+  the background and answers at once with its id. At most ``MAX_EPISODES`` (1,000) episodes a
+  run; ``seed`` derives the episodes' seeds as ``asyncrunner run --seed`` does.
 - ``GET /runs/{id}``: its state (``running``, ``finished``, ``failed``, ``cancelled``), the
   progress of each episode and, once done, the results.
 - ``GET /runs/{id}/events``: progress as server-sent events (``run``, ``episode_started``,
-  ``steps``, ``episode_finished``, ``episode_failed``, then ``end``), from the start of the run.
-- ``DELETE /runs/{id}``: cancels it (its worker processes stop their episodes).
+  ``steps``, ``episode_finished``, ``episode_failed``, then ``end``), from the start of the run;
+  ``viewers`` in the run's state counts the streams open. Steps reach viewers at most four times
+  a second, each event encoded once for all of them, so 1,000 viewers leave the loop responsive.
+- ``DELETE /runs/{id}``: cancels it (its worker processes stop their episodes, which then say
+  ``cancelled``).
 - ``GET /``: a page showing live progress and a live reward chart (no external assets).
 
 Episodes play in the runner's worker processes; the event loop only relays their events, so the
@@ -32,6 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
+import anyio.lowlevel
 import grid2op
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -48,9 +53,16 @@ from asyncrunner import (
     StepBatch,
 )
 
+# The command line's derivation of per-episode seeds: `"seed": N` here plays the episodes that
+# `asyncrunner run --seed N` plays.
+from asyncrunner._cli import _derive_seeds
+
 ENV_NAME = "l2rpn_case14_sandbox"
-_MAX_SEED = 2**31 - 1
+MAX_EPISODES = 1000  # per run: a bigger one would hold the workers (and the run's log) for hours
 KEEP_ALIVE = 10.0  # seconds between comments on an idle event stream
+# Viewers are woken at most this often, this many at a time (see Dashboard._wake_viewers).
+WAKE_EVERY = 0.25
+WAKE_AT_ONCE = 20
 
 
 def make_env(name: str = ENV_NAME) -> Any:
@@ -89,19 +101,28 @@ class Run:
     progress: dict[int, dict[str, Any]] = field(default_factory=dict)
     results: list[dict[str, Any]] | None = None
     error: str | None = None
-    viewers: int = 0  # event streams opened while the run was going
-    log: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
+    viewers: int = 0  # event streams open now
+    # Server-sent events as sent: each encoded once, whatever the number of viewers.
+    log: list[bytes] = field(default_factory=list)
     scope: anyio.CancelScope = field(default_factory=anyio.CancelScope)
-    changed: anyio.Event = field(default_factory=anyio.Event)
+    over: anyio.Event = field(default_factory=anyio.Event)  # set once state is not running
+    waiting: list[anyio.Event] = field(default_factory=list)  # viewers waiting to be woken
+    woken_at: int = 0  # len(log) when the viewers were last woken
+    woken_time: float = 0.0
 
     @property
     def done(self) -> bool:
         return self.state != "running"
 
     def emit(self, kind: str, data: dict[str, Any]) -> None:
-        self.log.append((kind, data))
-        self.changed.set()
-        self.changed = anyio.Event()
+        n = len(self.log) + 1
+        self.log.append(f"id: {n}\nevent: {kind}\ndata: {json.dumps(data)}\n\n".encode())
+
+    async def wait(self) -> None:
+        """Until the viewers are next woken: when the log has grown, or to keep the stream alive."""
+        woken = anyio.Event()
+        self.waiting.append(woken)
+        await woken.wait()
 
     def summary(self) -> dict[str, Any]:
         return {
@@ -196,23 +217,18 @@ class Run:
 
     def finish(self, state: str, error: str | None = None) -> None:
         self.state = state
+        if state == "cancelled":  # its unfinished episodes were stopped with it
+            for p in self.progress.values():
+                if p["state"] in ("running", "retrying"):
+                    p["state"] = "cancelled"
         self.error = error
         self.ended = time.time()
         self.emit("end", {"state": state, "error": error, "results": self.results})
+        self.over.set()
 
 
 def _number(x: float) -> float | None:
     return x if math.isfinite(x) else None
-
-
-def _derive_seeds(seed: int | None, nb: int) -> tuple[list[int] | None, list[int] | None]:
-    if seed is None:
-        return None, None
-    import numpy as np
-
-    rng = np.random.default_rng(seed)
-    pairs = rng.integers(0, _MAX_SEED, size=(nb, 2))
-    return [int(s) for s in pairs[:, 0]], [int(s) for s in pairs[:, 1]]
 
 
 class Dashboard:
@@ -237,6 +253,7 @@ class Dashboard:
                 anyio.create_task_group() as group,
             ):
                 self.runner, self._group = runner, group
+                group.start_soon(self._wake_viewers)
                 try:
                     yield
                 finally:
@@ -279,6 +296,25 @@ class Dashboard:
             failed = any(r["error"] for r in run.results or [])
             run.finish("failed" if failed else "finished")
 
+    async def _wake_viewers(self) -> None:
+        # Waking every viewer on every event costs a write per viewer and event: with 1,000
+        # viewers the loop did little else and /health took up to seconds. Woken here instead,
+        # at most every WAKE_EVERY seconds (each takes all it missed in one write), and
+        # WAKE_AT_ONCE at a time with a pass of the loop between, so requests get their turn.
+        while True:
+            await anyio.sleep(WAKE_EVERY)
+            now = anyio.current_time()
+            for run in list(self.runs.values()):
+                idle = len(run.log) == run.woken_at
+                if not run.waiting or (idle and now - run.woken_time < KEEP_ALIVE):
+                    continue
+                run.woken_at, run.woken_time = len(run.log), now
+                waiting, run.waiting = run.waiting, []
+                for i, woken in enumerate(waiting, 1):
+                    woken.set()
+                    if i % WAKE_AT_ONCE == 0:
+                        await anyio.lowlevel.checkpoint()
+
     # --- endpoints -----------------------------------------------------------------------------
 
     async def page(self, request: Request) -> Response:
@@ -289,7 +325,7 @@ class Dashboard:
             body = await request.json() if await request.body() else {}
             if not isinstance(body, dict):
                 raise ValueError("the body must be a JSON object")
-            episodes = _int(body.get("episodes", 2), "episodes", 1)
+            episodes = _int(body.get("episodes", 2), "episodes", 1, MAX_EPISODES)
             max_iter = body.get("max_iter")
             max_iter = None if max_iter in (None, -1) else _int(max_iter, "max_iter", 1)
             seed = body.get("seed")
@@ -316,8 +352,7 @@ class Dashboard:
         if run is None:
             return JSONResponse({"error": "no such run"}, status_code=404)
         run.scope.cancel()
-        while not run.done:  # the run's task stops its workers, then records it
-            await run.changed.wait()
+        await run.over.wait()  # the run's task stops its workers, then records it
         return JSONResponse(run.summary())
 
     async def events(self, request: Request) -> Response:
@@ -325,36 +360,48 @@ class Dashboard:
         if run is None:
             return JSONResponse({"error": "no such run"}, status_code=404)
 
-        if not run.done:
-            run.viewers += 1
-
-        async def sse() -> AsyncIterator[str]:
+        async def sse() -> AsyncIterator[bytes]:
             sent = 0
             while True:
-                changed = run.changed
-                for kind, data in run.log[sent:]:
-                    sent += 1
-                    yield f"id: {sent}\nevent: {kind}\ndata: {json.dumps(data)}\n\n"
-                    if kind == "end":
-                        return
-                with anyio.move_on_after(KEEP_ALIVE) as idle:
-                    await changed.wait()
-                if idle.cancelled_caught:  # a comment, so proxies and clients keep the stream
-                    yield ": keep-alive\n\n"
+                # Whatever came since this viewer's last write goes in one write. Woken with
+                # nothing new: a comment, so proxies and clients keep the idle stream.
+                pending = run.log[sent:]
+                sent += len(pending)
+                yield b"".join(pending) if pending else b": keep-alive\n\n"
+                if run.done and sent == len(run.log):  # its log ends with `end`, sent
+                    return
+                await run.wait()
 
-        return StreamingResponse(
-            sse(),
-            media_type="text/event-stream",
-            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-        )
+        return _EventStream(run, sse())
 
     async def health(self, request: Request) -> Response:
         return JSONResponse({"ok": True, "runs": len(self.runs), "workers": self.workers})
 
 
-def _int(value: Any, name: str, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"`{name}` must be an integer >= {minimum}, got {value!r}")
+class _EventStream(StreamingResponse):
+    """A run's server-sent events; counted in its ``viewers`` while the connection is open."""
+
+    def __init__(self, run: Run, body: AsyncIterator[bytes]) -> None:
+        super().__init__(
+            body,
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
+        self.run = run
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        self.run.viewers += 1
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.run.viewers -= 1
+
+
+def _int(value: Any, name: str, minimum: int, maximum: int | None = None) -> int:
+    bad = isinstance(value, bool) or not isinstance(value, int) or value < minimum
+    if bad or (maximum is not None and value > maximum):
+        bounds = f">= {minimum}" if maximum is None else f"from {minimum} to {maximum}"
+        raise ValueError(f"`{name}` must be an integer {bounds}, got {value!r}")
     return value
 
 
@@ -430,28 +477,45 @@ function summary() {
   $("episodes-done").textContent = done + "/" + total;
   $("steps").textContent = Object.values(eps).reduce((s, e) => s + (e.steps || 0), 0);
 }
+function ticks(lo, hi, n) {  // about n round values from lo to hi
+  const raw = ((hi - lo) || 1) / n, mag = Math.pow(10, Math.floor(Math.log10(raw)));
+  const step = [1, 2, 5, 10].map(f => f * mag).find(s => s >= raw), out = [];
+  for (let v = Math.ceil(lo / step) * step; v <= hi + step * 1e-9; v += step) out.push(+v.toPrecision(12));
+  return out;
+}
 function draw() {
   drawPending = false;
-  const svg = $("chart"), W = 720, H = 300, m = 40;
+  // Plot area inside margins: tick labels on the left and bottom, the legend on the right.
+  const svg = $("chart"), W = 720, H = 300, L = 60, R = 170, T = 15, B = 45;
   let maxX = 1, minY = 0, maxY = 1;
   for (const k in series) for (const [x, y] of series[k]) {
     maxX = Math.max(maxX, x); minY = Math.min(minY, y); maxY = Math.max(maxY, y);
   }
-  const sx = x => m + (W - 2*m) * x / maxX, sy = y => H - m - (H - 2*m) * (y - minY) / ((maxY - minY) || 1);
-  let out = '<line x1="'+m+'" y1="'+(H-m)+'" x2="'+(W-m)+'" y2="'+(H-m)+'" stroke="#999"/>' +
-    '<line x1="'+m+'" y1="'+m+'" x2="'+m+'" y2="'+(H-m)+'" stroke="#999"/>' +
-    '<text x="'+(W-m)+'" y="'+(H-m+25)+'" text-anchor="end" font-size="12">step (max '+maxX+')</text>' +
-    '<text x="'+(m+4)+'" y="'+(m-8)+'" font-size="12">cumulative reward (max '+maxY.toFixed(1)+')</text>';
-  for (const k in series) {
-    const pts = series[k];
-    if (!pts.length) continue;
+  const sx = x => L + (W - L - R) * x / maxX, sy = y => H - B - (H - T - B) * (y - minY) / ((maxY - minY) || 1);
+  let out = '<line x1="'+L+'" y1="'+(H-B)+'" x2="'+(W-R)+'" y2="'+(H-B)+'" stroke="#999"/>' +
+    '<line x1="'+L+'" y1="'+T+'" x2="'+L+'" y2="'+(H-B)+'" stroke="#999"/>';
+  for (const x of ticks(0, maxX, 6)) {
+    out += '<line x1="'+sx(x)+'" y1="'+(H-B)+'" x2="'+sx(x)+'" y2="'+(H-B+5)+'" stroke="#999"/>' +
+      '<text x="'+sx(x)+'" y="'+(H-B+18)+'" text-anchor="middle" font-size="11">'+x+'</text>';
+  }
+  for (const y of ticks(minY, maxY, 5)) {
+    out += '<line x1="'+(L-5)+'" y1="'+sy(y)+'" x2="'+(W-R)+'" y2="'+sy(y)+'" stroke="#e4e4e4"/>' +
+      '<text x="'+(L-8)+'" y="'+(sy(y)+4)+'" text-anchor="end" font-size="11">'+y+'</text>';
+  }
+  out += '<text x="'+((L+W-R)/2)+'" y="'+(H-8)+'" text-anchor="middle" font-size="12">step</text>' +
+    '<text transform="translate(14,'+((T+H-B)/2)+') rotate(-90)" text-anchor="middle" font-size="12">cumulative reward</text>';
+  Object.keys(series).forEach((k, n) => {
+    const pts = series[k], color = colors[k % colors.length], ly = T + 8 + 18 * n;
+    out += '<line x1="'+(W-R+15)+'" y1="'+ly+'" x2="'+(W-R+35)+'" y2="'+ly+'" stroke-width="2" stroke="'+color+'"/>' +
+      '<text x="'+(W-R+40)+'" y="'+(ly+4)+'" font-size="12">episode '+k+(eps[k] && eps[k].name ? " ("+eps[k].name+")" : "")+'</text>';
+    if (!pts.length) return;
     const step = Math.max(1, Math.floor(pts.length / 400));
     let d = "";
     for (let j = 0; j < pts.length; j += step) d += (d ? "L" : "M") + sx(pts[j][0]).toFixed(1) + "," + sy(pts[j][1]).toFixed(1);
     const last = pts[pts.length - 1];
     d += "L" + sx(last[0]).toFixed(1) + "," + sy(last[1]).toFixed(1);
-    out += '<path d="'+d+'" fill="none" stroke-width="1.5" stroke="'+colors[k % colors.length]+'"/>';
-  }
+    out += '<path d="'+d+'" fill="none" stroke-width="1.5" stroke="'+color+'"/>';
+  });
   svg.innerHTML = out;
 }
 function redraw() { if (!drawPending) { drawPending = true; requestAnimationFrame(draw); } }
@@ -482,6 +546,9 @@ function follow(id) {
   source.addEventListener("end", ev => {
     const d = JSON.parse(ev.data); source.close(); source = null;
     $("status").textContent = d.state; $("status").className = d.state; $("cancel").disabled = true;
+    if (d.state === "cancelled") for (const i in eps) {  // stopped with the run
+      if (eps[i].state === "running" || eps[i].state === "retrying") { eps[i].state = "cancelled"; show(i); }
+    }
     if (d.results) $("results").textContent = "mean reward " +
       (d.results.reduce((s, r) => s + r.cum_reward, 0) / Math.max(1, d.results.length)).toFixed(2);
     summary(); draw();
