@@ -65,6 +65,8 @@ def _serve(conn: Connection, inherited: list[int]) -> None:
             reply = ("error", exc)
         try:
             conn.send(reply)
+        except OSError:  # the parent is gone (its end of the pipe closed): nobody to tell
+            return
         except Exception as exc:  # a result or error that cannot be pickled
             text = "".join(traceback.format_exception(reply[1])) if reply[0] == "error" else ""
             conn.send(("error", RuntimeError(f"the worker's reply cannot be sent ({exc})\n{text}")))
