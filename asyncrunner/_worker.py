@@ -124,6 +124,9 @@ class _Cached:
         from grid2op.Agent import DoNothingAgent
         from grid2op.Runner import Runner
 
+        global _BUILDS
+        _BUILDS += 1
+
         class OnceRunner(Runner):  # type: ignore[misc]  # grid2op is untyped
             # On Linux grid2op's Runner.__init__ builds an env (with init_env) and closes it;
             # keep that one instead of building a second (each build parses the grid: ~1 s).
@@ -141,15 +144,25 @@ class _Cached:
     def episode_env(self) -> Any:
         """A fresh env for one episode (the caller closes it)."""
         if self.pristine is None:
-            self.pristine = self._build()
+            with _ENVS_LOCK:  # grid2op's class creation is not thread-safe
+                self.pristine = self._build()
         if not getattr(self.pristine.backend, "_can_be_copied", True):
             # Its backend cannot be copied: play the pristine env itself, build another next time.
             env, self.pristine = self.pristine, None
             return env
         env = self.pristine.copy()
-        # grid2op's copy shares the high-resolution simulation counter with the original (on
-        # purpose); a fresh env counts from 0.
+        # What grid2op's copy shares with the original and an episode changes (checked by
+        # tests/test_parity.py on everything the pristine env holds): the high-resolution
+        # simulation counter (shared on purpose; a fresh env counts from 0), and the initial
+        # state meant to be constant, whose one-element arrays (a single shunt's setpoint, ...)
+        # cannot be made read-only and are written by the episode through the env's and the
+        # forecast env's state after a reset.
         env._highres_sim_counter._HighResSimCounter__nb_highres_called = 0
+        for part in (env, getattr(env._observation_space, "obs_env", None)):
+            if part is not None and part._cst_prev_state_at_init is not None:
+                initial = part._cst_prev_state_at_init.copy()
+                initial.prevent_modification()
+                part._cst_prev_state_at_init = initial
         return env
 
     def close(self) -> None:
@@ -232,12 +245,10 @@ _ENVS_LOCK = threading.Lock()
 
 def _get_env(recipe_key: str, recipe_bytes: bytes, slot: int = 0, keep: int = _MAX_ENVS) -> _Cached:
     """The env of a recipe for episode slot ``slot`` of this worker (built if needed)."""
-    global _BUILDS
     key = recipe_key if slot == 0 else f"{recipe_key}#{slot}"
     with _ENVS_LOCK:  # builds too: grid2op's class creation is not thread-safe
         cached = _ENVS.pop(key, None)
         if cached is None:
-            _BUILDS += 1
             idle = [k for k in _ENVS if k not in _IN_USE]
             while len(_ENVS) >= max(keep, _MAX_ENVS) and idle:
                 _ENVS.pop(idle.pop(0)).close()
