@@ -3,7 +3,8 @@
 Functions here are called in a worker (``_forkpool``, ``anyio.to_process`` or an executor) with
 picklable arguments. A worker builds the env of a recipe once and keeps it, never played
 (``_ENVS``); each episode plays a copy of it, the fresh env grid2op's Runner builds for every
-episode, so results match grid2op's Runner bit for bit. Steps go back in batches over the run's channel (``_channel``), not as return values.
+episode, so results match grid2op's Runner bit for bit. Steps go back in batches over the run's
+channel (``_channel``), not as return values.
 When the agent lives in the orchestrator (``CentralAgent``), ``_RemoteAgent`` stands in for it:
 it sends each observation over the same channel and plays the action that comes back.
 """
