@@ -1,9 +1,10 @@
 """What runs inside a worker process: the env cache, the per-episode reset contract, the step loop.
 
 Functions here are called in a worker (``_forkpool``, ``anyio.to_process`` or an executor) with
-picklable arguments. A worker keeps its env across episodes (``_ENVS``) and restores, before each episode,
-everything a fresh env built by grid2op's Runner would have, so results match grid2op's Runner
-bit for bit. Steps go back in batches over the run's channel (``_channel``), not as return values.
+picklable arguments. A worker builds the env of a recipe once and keeps it, never played
+(``_ENVS``); each episode plays a copy of it, the fresh env grid2op's Runner builds for every
+episode, so results match grid2op's Runner bit for bit. Steps go back in batches over the run's
+channel (``_channel``), not as return values.
 When the agent lives in the orchestrator (``CentralAgent``), ``_RemoteAgent`` stands in for it:
 it sends each observation over the same channel and plays the action that comes back.
 """
@@ -134,11 +135,25 @@ def _dump(pickler: type[pickle.Pickler], obj: Any) -> bytes:
 
 
 class _Cached:
-    """An env built from a recipe, with what a fresh one had, to restore before each episode."""
+    """A pristine env built from a recipe, never played: each episode plays a copy of it.
+
+    grid2op's Runner builds a new env for every episode. ``env.copy()`` of an env that was built
+    and never stepped is that fresh env, whatever state its parts keep (opponents, rewards,
+    chronics handlers and their caches, backends), at about 2 % of a build's cost; nothing an
+    episode changes reaches the pristine env or the next episode.
+    """
 
     def __init__(self, recipe: Recipe) -> None:
+        self.recipe = recipe
+        self.pristine: Any = self._build()
+        self.other_reward_names = tuple(self.pristine.other_rewards)
+
+    def _build(self) -> Any:
         from grid2op.Agent import DoNothingAgent
         from grid2op.Runner import Runner
+
+        global _BUILDS
+        _BUILDS += 1
 
         class OnceRunner(Runner):  # type: ignore[misc]  # grid2op is untyped
             # On Linux grid2op's Runner.__init__ builds an env (with init_env) and closes it;
@@ -150,52 +165,42 @@ class _Cached:
 
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            runner = OnceRunner(**recipe.params, agentClass=DoNothingAgent)
+            runner = OnceRunner(**self.recipe.params, agentClass=DoNothingAgent)
             built = getattr(runner, "built", None)
-            self.env = built if built is not None else runner._new_env(runner.parameters)[0]
-        env = self.env
-        self.recipe = recipe
-        self.agent_template = recipe.agent
-        self.thermal_limit = env.get_thermal_limit().copy()
-        self.parameters = copy.deepcopy(env.parameters)
-        self.forecast_parameters = copy.deepcopy(env.observation_space._simulate_parameters)
-        self.max_iter = env._max_iter
-        self.other_reward_names = tuple(env.other_rewards)
-        # GeometricOpponent.reset() draws attack times up to the *previous* episode's length
-        # (a grid2op quirk): a fresh env has its build-time length there.
-        self.opponent_max_time = getattr(getattr(env, "_opponent", None), "_episode_max_time", None)
+            return built if built is not None else runner._new_env(runner.parameters)[0]
 
-    def restore(self) -> None:
-        """Undo what an episode may have left in the env (a fresh env has none of it)."""
-        from grid2op.Reward import RewardHelper
+    def episode_env(self) -> Any:
+        """A fresh env for one episode (the caller closes it)."""
+        if self.pristine is None:
+            with _ENVS_LOCK:  # grid2op's class creation is not thread-safe
+                self.pristine = self._build()
+        if not getattr(self.pristine.backend, "_can_be_copied", True):
+            # Its backend cannot be copied: play the pristine env itself, build another next time.
+            env, self.pristine = self.pristine, None
+            return env
+        env = self.pristine.copy()
+        # What grid2op's copy shares with the original and an episode changes (checked by
+        # tests/test_parity.py on everything the pristine env holds): the high-resolution
+        # simulation counter (shared on purpose; a fresh env counts from 0), and the initial
+        # state meant to be constant, whose one-element arrays (a single shunt's setpoint, ...)
+        # cannot be made read-only and are written by the episode through the env's and the
+        # forecast env's state after a reset.
+        env._highres_sim_counter._HighResSimCounter__nb_highres_called = 0
+        for part in (env, getattr(env._observation_space, "obs_env", None)):
+            if part is not None and part._cst_prev_state_at_init is not None:
+                initial = part._cst_prev_state_at_init.copy()
+                initial.prevent_modification()
+                part._cst_prev_state_at_init = initial
+        return env
 
-        env = self.env
-        env._BaseEnv__new_param = None
-        env._BaseEnv__new_forecast_param = None
-        env._BaseEnv__new_reward_func = None
-        if env.parameters.to_dict() != self.parameters.to_dict():
-            env.change_parameters(copy.deepcopy(self.parameters))
-        sim_params = env.observation_space._simulate_parameters
-        if sim_params.to_dict() != self.forecast_parameters.to_dict():
-            env.change_forecast_parameters(copy.deepcopy(self.forecast_parameters))
-        env._max_iter = self.max_iter
-        if self.opponent_max_time is not None:
-            env._opponent._episode_max_time = self.opponent_max_time
-        # Rewards are re-created: some keep state that their reset() leaves (AlarmReward).
-        env._reward_helper = RewardHelper(env._rewardClass, logger=env.logger)
-        env._reward_helper.initialize(env)
-        env.reward_range = env._reward_helper.range()
-        for name, helper in list(env.other_rewards.items()):
-            fresh = RewardHelper(helper.rewardClass, logger=env.logger)
-            fresh.initialize(env)
-            env.other_rewards[name] = fresh
+    def close(self) -> None:
+        if self.pristine is not None:
+            self.pristine.close()
 
-    def new_agent(self) -> Any:
-        kind, agent = self.recipe.agent_kind, self.agent_template
-        if kind == "class":
-            return agent(self.env.action_space)
-        if kind == "factory":
-            return agent(self.env.action_space)
+    def new_agent(self, env: Any) -> Any:
+        kind, agent = self.recipe.agent_kind, self.recipe.agent
+        if kind in ("class", "factory"):
+            return agent(env.action_space)
         return copy.copy(agent)
 
 
@@ -268,15 +273,13 @@ _ENVS_LOCK = threading.Lock()
 
 def _get_env(recipe_key: str, recipe_bytes: bytes, slot: int = 0, keep: int = _MAX_ENVS) -> _Cached:
     """The env of a recipe for episode slot ``slot`` of this worker (built if needed)."""
-    global _BUILDS
     key = recipe_key if slot == 0 else f"{recipe_key}#{slot}"
     with _ENVS_LOCK:  # builds too: grid2op's class creation is not thread-safe
         cached = _ENVS.pop(key, None)
         if cached is None:
-            _BUILDS += 1
             idle = [k for k in _ENVS if k not in _IN_USE]
             while len(_ENVS) >= max(keep, _MAX_ENVS) and idle:
-                _ENVS.pop(idle.pop(0)).env.close()
+                _ENVS.pop(idle.pop(0)).close()
             cached = _Cached(pickle.loads(recipe_bytes))
         _ENVS[key] = cached  # most recently used last
         _IN_USE.add(key)  # until the caller discards it
@@ -412,10 +415,8 @@ class _Batcher:
         self.last_flush = time.perf_counter()
 
 
-def _reset_options(job: EpisodeJob, cached: _Cached) -> dict[str, Any]:
+def _reset_options(job: EpisodeJob) -> dict[str, Any]:
     options = dict(job.reset_options or {})
-    # A "thermal limit" option given to an earlier episode outlives it: restore the runner's.
-    options.setdefault("thermal limit", cached.thermal_limit)
     options["time serie id"] = job.episode_id
     if job.max_iter is not None:
         options["max step"] = job.max_iter
@@ -450,9 +451,6 @@ def run_episode(job: EpisodeJob, slot: int = 0, slots: int = 1) -> str:
     except _channel.ChannelClosed:
         raise
     except Exception as exc:
-        # The env may be in any state now: build a fresh one for the next episode.
-        with _ENVS_LOCK:
-            _ENVS.pop(key, None)
         failure = EpisodeFailed(
             run_id=job.run_id,
             index=job.index,
@@ -470,16 +468,20 @@ def run_episode(job: EpisodeJob, slot: int = 0, slots: int = 1) -> str:
 
 
 def _play(job: EpisodeJob, cached: _Cached, send: Any) -> int:
+    env = cached.episode_env()
+    try:
+        return _play_on(job, env, cached, send)
+    finally:
+        env.close()
+
+
+def _play_on(job: EpisodeJob, env: Any, cached: _Cached, send: Any) -> int:
     from grid2op.dtypes import dt_float
 
-    cached.restore()
-    env = cached.env
     names = cached.other_reward_names
-    agent = _RemoteAgent(job, env) if cached.recipe.agent_kind == "central" else cached.new_agent()
-    obs = env.reset(seed=job.env_seed, options=_reset_options(job, cached))
-    env._highres_sim_counter._HighResSimCounter__nb_highres_called = 0
-    if job.env_seed is None:
-        env.action_space.seed_used = None  # as on a fresh env (CompactEpisodeData records it)
+    kind = cached.recipe.agent_kind
+    agent = _RemoteAgent(job, env) if kind == "central" else cached.new_agent(env)
+    obs = env.reset(seed=job.env_seed, options=_reset_options(job))
     if job.agent_seed is not None:
         agent.seed(job.agent_seed)
     agent.reset(obs)

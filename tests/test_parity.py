@@ -1,0 +1,430 @@
+"""Parity with grid2op's own Runner, env by env: same seeds, same rewards, steps and saved arrays.
+
+grid2op's Runner builds a new env for every episode; a worker plays each episode on a copy of an
+env it built and never played. These tests check that nothing an episode changes (opponents,
+rewards, chronics handlers and their caches, ...) reaches a later episode, on every env shipped
+in grid2op's wheel, over several ``run()`` calls on one runner. grid2op's results are computed
+once per test session (``_reference``).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import types
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import grid2op
+import numpy as np
+import pytest
+from grid2op.Agent import BaseAgent, DoNothingAgent, RandomAgent
+from grid2op.Chronics import FromHandlers, MultifolderWithCache
+from grid2op.Chronics.handlers import CSVHandler, JSONMaintenanceHandler, NoisyForecastHandler
+from grid2op.Reward import FlatReward
+from grid2op.Runner import Runner
+
+import asyncrunner.compat
+from asyncrunner import AsyncRunner, EpisodeResult, EpisodeStarted
+from asyncrunner._worker import Recipe, _Cached
+from asyncrunner.sinks import CallbackSink
+
+from .conftest import LightSimBackend, make_env
+
+pytestmark = pytest.mark.anyio
+
+
+class SampleAgent(BaseAgent):  # type: ignore[misc]  # grid2op is untyped
+    """A seeded random agent that costs nothing to build (RandomAgent lists every unitary action:
+    up to a minute on the big grids): samples its action space."""
+
+    def act(self, observation: Any, reward: float, done: bool = False) -> Any:
+        return self.action_space.sample()
+
+
+class StorageAgent(BaseAgent):  # type: ignore[misc]  # grid2op is untyped
+    """Charges every storage unit at each step: what a score's storage cost counts."""
+
+    def act(self, observation: Any, reward: float, done: bool = False) -> Any:
+        n = type(observation).n_storage
+        return self.action_space({"set_storage": [(i, 1.0) for i in range(n)]})
+
+
+# grid2op's results, by (env, agent, arguments): computed once per test session.
+_REFERENCE: dict[str, list[tuple[Any, ...]]] = {}
+
+
+def _key(result: Any) -> tuple[Any, ...]:
+    """What must be identical: chronic, cumulative reward (exactly: repr), steps played, max."""
+    if isinstance(result, EpisodeResult):
+        return (result.name, repr(result.cum_reward), result.nb_time_step, result.max_ts)
+    return (result[1], repr(float(result[2])), result[3], result[4])
+
+
+def _reference(env: Any, agent: type, path_save: Path | None = None, **kwargs: Any) -> Any:
+    key = repr((env.env_name, agent, path_save, sorted(kwargs.items())))
+    if key not in _REFERENCE:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            runner = Runner(**env.get_params_for_runner(), agentClass=agent)
+            save = None if path_save is None else str(path_save)
+            _REFERENCE[key] = [_key(r) for r in runner.run(nb_process=1, path_save=save, **kwargs)]
+    return _REFERENCE[key]
+
+
+async def _three_runs(env: Any, agent: type, workers: int, **kwargs: Any) -> list[list[Any]]:
+    async with AsyncRunner(env, agent=agent, workers=workers) as runner:
+        return [[_key(r) for r in await runner.run(**kwargs)] for _ in range(3)]
+
+
+# --- fast tier: the cases that diverged, each on a short episode ---------------------------------
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_idf_2023_opponent_on_a_reused_worker() -> None:
+    # l2rpn_idf_2023's GeometricOpponentMultiArea keeps each area's episode length in its
+    # sub-opponents: an env reused without them drew the second episode's attacks differently.
+    env = make_env("l2rpn_idf_2023")
+    kwargs: dict[str, Any] = dict(
+        nb_episode=2, env_seeds=[1, 3], agent_seeds=[101, 103], episode_id=[1, 1], max_iter=120
+    )
+    expected = _reference(env, DoNothingAgent, **kwargs)
+    async with AsyncRunner(env, agent=DoNothingAgent, workers=1) as runner:
+        results = await runner.run(**kwargs)
+    assert [_key(r) for r in results] == expected
+    env.close()
+
+
+def test_reward_instances_keep_their_parameters() -> None:
+    # Other rewards given as instances (as grid2op's scores give their scores_func) reach the
+    # episode as they are, not rebuilt from their class.
+    env = make_env()
+    params = env.get_params_for_runner()
+    params["other_rewards"] = {"flat": FlatReward(per_timestep=7.0)}
+    kwargs: dict[str, Any] = dict(
+        nb_episode=3, env_seeds=[1, 2, 3], agent_seeds=[4, 5, 6], max_iter=5, nb_process=1
+    )
+    kwargs["add_detailed_output"] = True
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        expected = Runner(**params, agentClass=DoNothingAgent).run(**kwargs)
+        results = asyncrunner.compat.Runner(**params, agentClass=DoNothingAgent).run(**kwargs)
+    flat = [[step["flat"] for step in r[-1].other_rewards] for r in results]
+    assert flat == [[step["flat"] for step in r[-1].other_rewards] for r in expected]
+    assert flat[-1] == [7.0] * 5
+    env.close()
+
+
+def _handlers_env(tmp_path: Path) -> Any:
+    """case14 fed by handlers, cached by MultifolderWithCache: a JSON maintenance schedule drawn
+    from the seed (each day, one of five meshed lines in the first hour) and noisy forecasts."""
+    source = make_env()
+    folder = tmp_path / "case14_handlers"
+    shutil.copytree(source.get_path_env(), folder)
+    meta = {
+        "maintenance_starting_hour": 0,
+        "maintenance_ending_hour": 1,
+        "line_to_maintenance": ["1_2_2", "1_3_3", "1_4_4", "2_3_5", "3_4_6"],
+        "daily_proba_per_month_maintenance": [1.0] * 12,
+        "max_daily_number_per_month_maintenance": [1] * 12,
+        "maintenance_day_of_week": list(range(7)),
+    }
+    source.close()
+    for chronic in (folder / "chronics").iterdir():
+        (chronic / "maintenance_meta.json").write_text(json.dumps(meta))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        env = grid2op.make(
+            str(folder),
+            backend=LightSimBackend(),
+            chronics_class=MultifolderWithCache,
+            data_feeding_kwargs={
+                "gridvalueClass": FromHandlers,
+                "gen_p_handler": CSVHandler("prod_p"),
+                "load_p_handler": CSVHandler("load_p"),
+                "gen_v_handler": CSVHandler("prod_v"),
+                "load_q_handler": CSVHandler("load_q"),
+                "maintenance_handler": JSONMaintenanceHandler(),
+                "h_forecast": (5, 10),
+                "gen_p_for_handler": NoisyForecastHandler("prod_p_forecasted"),
+                "load_p_for_handler": NoisyForecastHandler("load_p_forecasted"),
+                "load_q_for_handler": NoisyForecastHandler("load_q_forecasted"),
+            },
+        )
+    env.chronics_handler.reset()
+    return env
+
+
+def _seen(results: list[Any]) -> list[tuple[Any, ...]]:
+    """Each episode's reward, and the maintenance schedule and loads each observation showed."""
+    seen = []
+    for r in results:
+        observations = [r[-1].observations[i] for i in range(len(r[-1].observations))]
+        seen.append(
+            (
+                repr(float(r[2])),
+                r[3],
+                [o.time_next_maintenance.tolist() for o in observations],
+                [o.load_p.tolist() for o in observations],
+            )
+        )
+    return seen
+
+
+def test_multifolder_with_cache_fed_by_handlers(tmp_path: Path) -> None:
+    # The handlers' state (the maintenance drawn, its length, the dates) lives in the cached
+    # chronics: a reused env saw none of the maintenance in the second and third episodes.
+    env = _handlers_env(tmp_path)
+    kwargs: dict[str, Any] = dict(
+        nb_episode=3, env_seeds=[0, 1, 0], agent_seeds=[0, 0, 0], max_iter=5, nb_process=1
+    )
+    kwargs["add_detailed_output"] = True
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        params = env.get_params_for_runner()
+        expected = _seen(Runner(**params, agentClass=DoNothingAgent).run(**kwargs))
+        results = _seen(
+            asyncrunner.compat.Runner(**params, agentClass=DoNothingAgent).run(**kwargs)
+        )
+    assert results == expected
+    assert results[0] == results[2]  # same seed, same schedule and loads
+    assert any(t >= 0 for step in results[0][2] for t in step)  # maintenance was planned
+    env.close()
+
+
+_CODE = (type, types.FunctionType, types.MethodType, types.BuiltinFunctionType, types.ModuleType)
+
+
+def _state(root: Any) -> dict[str, Any]:
+    """Every value reachable from ``root`` (attributes, containers, arrays), by path."""
+    state: dict[str, Any] = {}
+    seen: set[int] = set()
+    stack: list[tuple[Any, str]] = [(root, "env")]
+    while stack:
+        obj, path = stack.pop()
+        if isinstance(obj, (str, bytes, int, float, bool, type(None), np.generic)):
+            state[path] = repr(obj)
+            continue
+        if id(obj) in seen or isinstance(obj, _CODE):
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, np.ndarray):
+            state[path] = (obj.dtype.str, obj.shape, obj.tobytes())
+        elif isinstance(obj, dict):
+            stack.extend((v, f"{path}[{k!r}]") for k, v in obj.items())
+        elif isinstance(obj, (list, tuple)):
+            stack.extend((v, f"{path}[{i}]") for i, v in enumerate(obj))
+        elif hasattr(obj, "__dict__"):
+            stack.extend((v, f"{path}.{k}") for k, v in vars(obj).items())
+    return state
+
+
+@pytest.mark.parametrize(
+    "name", ["rte_case14_opponent", pytest.param("l2rpn_idf_2023", marks=pytest.mark.slow)]
+)
+def test_an_episode_leaves_the_pristine_env_untouched(name: str) -> None:
+    # The contract, checked on everything reachable from the env the worker keeps: episodes
+    # played on its copies (with an opponent that attacks) change none of it.
+    env = make_env(name)
+    cached = _Cached(Recipe(params=env.get_params_for_runner(), agent_kind="class", agent=None))
+    before = _state(cached.pristine)
+    for seed in (0, 1):
+        episode = cached.episode_env()
+        obs = episode.reset(seed=seed, options={"time serie id": seed, "max step": 100})
+        agent = SampleAgent(episode.action_space)
+        agent.seed(seed)
+        done = False
+        while not done:
+            obs, _, done, _ = episode.step(agent.act(obs, 0.0, done))
+        episode.close()
+    after = _state(cached.pristine)
+    changed = [p for p in before.keys() | after.keys() if before.get(p) != after.get(p)]
+    assert sorted(changed) == []
+    cached.close()
+    env.close()
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_a_backend_that_cannot_be_copied_is_rebuilt_for_each_episode() -> None:
+    # grid2op's Runner cannot play it (saving an episode copies the observation space's backend):
+    # the results must be those of the same backend that can be copied.
+    kwargs: dict[str, Any] = dict(
+        nb_episode=3, env_seeds=[1, 2, 1], agent_seeds=[4, 5, 4], episode_id=[0, 1, 0], max_iter=10
+    )
+    copyable = make_env()
+    expected = _reference(copyable, RandomAgent, **kwargs)
+    copyable.close()
+    env = make_env(backend=LightSimBackend(can_be_copied=False))
+    started: list[EpisodeStarted] = []
+    sink = CallbackSink(lambda e: started.append(e) if isinstance(e, EpisodeStarted) else None)
+    async with AsyncRunner(env, agent=RandomAgent, workers=1, sinks=[sink]) as runner:
+        results = await runner.run(**kwargs)
+    assert [_key(r) for r in results] == expected
+    builds = [e.env_builds for e in started]  # counted from the fork, not from 0
+    assert builds == [builds[0], builds[0] + 1, builds[0] + 2]  # a new env for each episode
+    env.close()
+
+
+# --- slow tier: every wheel env, long episodes, three runs on one runner ------------------------
+
+# Envs shipped in grid2op's wheel (grid2op.list_available_test_env()) that grid2op's Runner
+# plays; l2rpn_neurips_2020_track2 is a MultiMixEnvironment, which grid2op's Runner does not take
+# (it plays one mix at a time: tests/test_multimix.py compares each mix). RandomAgent builds in
+# milliseconds on the small grids; on the others SampleAgent is the seeded random agent.
+MATRIX_ENVS = {
+    "educ_case14_redisp": RandomAgent,
+    "educ_case14_storage": RandomAgent,
+    "l2rpn_case14_sandbox": RandomAgent,
+    "l2rpn_case14_sandbox_diff_grid": RandomAgent,
+    "l2rpn_icaps_2021": SampleAgent,
+    "l2rpn_idf_2023": SampleAgent,
+    "l2rpn_neurips_2020_track1": SampleAgent,
+    "l2rpn_wcci_2020": SampleAgent,
+    "l2rpn_wcci_2022": SampleAgent,
+    "l2rpn_wcci_2022_dev": SampleAgent,
+    "rte_case118_example": SampleAgent,
+    "rte_case14_opponent": RandomAgent,
+    "rte_case14_realistic": RandomAgent,
+    "rte_case14_redisp": RandomAgent,
+    "rte_case14_test": RandomAgent,
+    "rte_case5_example": RandomAgent,
+}
+# Three episodes on two workers (so a worker plays two in a row), 288 steps or to game over;
+# the first chronic is played twice (with other seeds) where there are two.
+MATRIX_RUN: dict[str, Any] = dict(
+    nb_episode=3, env_seeds=[11, 12, 13], agent_seeds=[21, 22, 23], max_iter=288
+)
+
+
+def _matrix_cases() -> list[Any]:
+    cases = []
+    for name, random_agent in MATRIX_ENVS.items():
+        for agent in (DoNothingAgent, random_agent):
+            cases.append(pytest.param(name, agent, id=f"{name}-{agent.__name__}"))
+    return cases
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+@pytest.mark.parametrize(("name", "agent"), _matrix_cases())
+async def test_parity_matrix(name: str, agent: type) -> None:
+    env = make_env(name)
+    ids = [0, 1, 0] if len(env.chronics_handler.real_data.subpaths) > 1 else [0, 0, 0]
+    kwargs = dict(MATRIX_RUN, episode_id=ids)
+    expected = _reference(env, agent, **kwargs)
+    runs = await _three_runs(env, agent, 2, **kwargs)
+    assert [run == expected for run in runs] == [True, True, True], (expected, runs)
+    env.close()
+
+
+ARRAY_FILES = [
+    "actions.npz",
+    "env_modifications.npz",
+    "observations.npz",
+    "rewards.npz",
+    "disc_lines_cascading_failure.npz",
+    "opponent_attack.npz",
+]
+JSON_FILES = ["_parameters.json", "other_rewards.json", "episode_meta.json"]
+
+
+def _same_folder(ours: Path, theirs: Path) -> list[str]:
+    """The files that differ between two saved episodes (arrays exactly, NaN equal to NaN)."""
+    differ = []
+    for name in ARRAY_FILES:
+        with np.load(ours / name) as a, np.load(theirs / name) as b:
+            if sorted(a.files) != sorted(b.files) or not all(
+                np.array_equal(a[k], b[k], equal_nan=True) for k in a.files
+            ):
+                differ.append(name)
+    for name in JSON_FILES:
+        if json.loads((ours / name).read_text()) != json.loads((theirs / name).read_text()):
+            differ.append(name)
+    return differ
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+@pytest.mark.parametrize(
+    ("name", "agent"),
+    [("l2rpn_idf_2023", DoNothingAgent), ("rte_case14_opponent", RandomAgent)],
+)
+async def test_saved_arrays_match_grid2op(name: str, agent: type, tmp_path: Path) -> None:
+    env = make_env(name)
+    kwargs = dict(MATRIX_RUN, episode_id=[0, 1, 0])
+    expected = _reference(env, agent, path_save=tmp_path / "grid2op", **kwargs)
+    async with AsyncRunner(env, agent=agent, workers=2) as runner:
+        await runner.run(**kwargs)  # a run before, so that the saved one plays on used workers
+        results = await runner.run(path_save=tmp_path / "ours", **kwargs)
+    assert [_key(r) for r in results] == expected
+    # grid2op's Runner overwrites a chronic's folder: it holds the last episode of that chronic.
+    last = {r.name: r for r in results}
+    for chronic, result in last.items():
+        assert result.path is not None and chronic is not None
+        assert _same_folder(Path(result.path), tmp_path / "grid2op" / chronic) == []
+    env.close()
+
+
+# --- slow tier: the L2RPN scores with compat.Runner patched in ---------------------------------
+
+
+def _score_env(name: str, folder: Path) -> Any:
+    """The env from a copy of its data: scores cache their statistics inside the env's folder."""
+    source = make_env(name)
+    shutil.copytree(source.get_path_env(), folder / name)
+    source.close()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return grid2op.make(str(folder / name), backend=LightSimBackend())
+
+
+def _score(name: str, folder: Path, make_score: Callable[[Any], Any]) -> str:
+    env = _score_env(name, folder)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        score = make_score(env)
+        agent = (StorageAgent if env.n_storage else SampleAgent)(env.action_space)
+        result = repr(score.get(agent))
+    env.close()
+    return result
+
+
+def _scores() -> list[Any]:
+    from grid2op.Reward import L2RPNWCCI2022ScoreFun
+    from grid2op.utils import ScoreICAPS2021, ScoreL2RPN2020, ScoreL2RPN2022, ScoreL2RPN2023
+
+    small: dict[str, Any] = dict(nb_scenario=2, max_step=12, env_seeds=[1, 2], agent_seeds=[3, 4])
+    one = dict(small, nb_scenario=1, env_seeds=[1], agent_seeds=[3])  # its only chronic
+    return [
+        pytest.param(
+            "l2rpn_case14_sandbox", lambda env: ScoreL2RPN2020(env, **small), id="ScoreL2RPN2020"
+        ),
+        pytest.param(
+            "l2rpn_wcci_2022_dev",
+            lambda env: ScoreL2RPN2022(
+                env, scores_func=L2RPNWCCI2022ScoreFun(storage_cost=100.0), **one
+            ),
+            id="ScoreL2RPN2022-storage_cost",
+        ),
+        pytest.param(
+            "l2rpn_idf_2023", lambda env: ScoreL2RPN2023(env, **small), id="ScoreL2RPN2023"
+        ),
+        pytest.param(
+            "l2rpn_icaps_2021", lambda env: ScoreICAPS2021(env, **small), id="ScoreICAPS2021"
+        ),
+    ]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)  # each phase of a score is a Runner: grid2op's builds an env per episode
+@pytest.mark.parametrize(("name", "make_score"), _scores())
+def test_scores_match_grid2op(
+    name: str, make_score: Callable[[Any], Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import grid2op.utils.underlying_statistics as statistics
+
+    expected = _score(name, tmp_path / "grid2op", make_score)
+    monkeypatch.setattr(statistics, "Runner", asyncrunner.compat.Runner)
+    assert _score(name, tmp_path / "ours", make_score) == expected
