@@ -271,6 +271,17 @@ _IN_USE: set[str] = set()
 _ENVS_LOCK = threading.Lock()
 
 
+def _after_fork() -> None:
+    # A forked worker counts its own builds (EpisodeStarted.env_builds), not its parent's, and
+    # takes a new lock: a thread of the parent may have held this one at the fork.
+    global _BUILDS, _ENVS_LOCK
+    _BUILDS = 0
+    _ENVS_LOCK = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_after_fork)
+
+
 def _get_env(recipe_key: str, recipe_bytes: bytes, slot: int = 0, keep: int = _MAX_ENVS) -> _Cached:
     """The env of a recipe for episode slot ``slot`` of this worker (built if needed)."""
     key = recipe_key if slot == 0 else f"{recipe_key}#{slot}"
