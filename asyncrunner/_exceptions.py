@@ -54,3 +54,10 @@ class SinkError(AsyncRunnerError):
 
 class WorkerChannelError(AsyncRunnerError):
     """Raised when the channel that carries steps back from the workers breaks."""
+
+
+def leaves(group: BaseException) -> list[BaseException]:
+    """The exceptions inside (nested) exception groups, or ``[group]`` for a plain one."""
+    if isinstance(group, BaseExceptionGroup):
+        return [leaf for e in group.exceptions for leaf in leaves(e)]
+    return [group]

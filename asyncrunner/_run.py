@@ -29,7 +29,7 @@ from ._events import (
     RunStarted,
     StepBatch,
 )
-from ._exceptions import EpisodeError, SinkError
+from ._exceptions import EpisodeError, SinkError, leaves
 from ._plan import EpisodeRequest
 from ._results import EpisodeResult
 from ._worker import EpisodeJob, run_episode, run_episodes
@@ -118,7 +118,8 @@ class Run:
             except* SinkError as failed:
                 # As EpisodeError does: what was played stays known (and saved, where it was).
                 finished = [r for r in self._with_paths(self._ordered()) if r.error is None]
-                for exc in _sink_errors(failed):  # nested in the task groups' exception groups
+                # nested in the task groups' exception groups
+                for exc in [e for e in leaves(failed) if isinstance(e, SinkError)]:
                     exc.results = finished
                 raise
             finally:
@@ -355,12 +356,6 @@ class Run:
                 steps_lost=True,
             )
         )
-
-
-def _sink_errors(group: BaseException) -> list[SinkError]:
-    if isinstance(group, BaseExceptionGroup):
-        return [leaf for e in group.exceptions for leaf in _sink_errors(e)]
-    return [group] if isinstance(group, SinkError) else []
 
 
 def _fan_out(

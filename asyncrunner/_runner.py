@@ -23,7 +23,7 @@ from ._central import CentralAgent, is_async_agent
 from ._channel import Channel
 from ._dask import as_dask
 from ._events import Event
-from ._exceptions import AsyncRunnerError, EpisodeError
+from ._exceptions import AsyncRunnerError, EpisodeError, leaves
 from ._forkpool import ForkPool, available
 from ._multimix import OnlyMix, mixes_of, plan_mixes, resume_mixes, runner_params
 from ._plan import check_path_save, check_with_env, chronic_names, plan_episodes
@@ -592,15 +592,9 @@ class _unwrapped:
 
     def __exit__(self, typ: Any, exc: BaseException | None, tb: Any) -> None:
         if isinstance(exc, BaseExceptionGroup):
-            leaves = _leaves(exc)
+            found = leaves(exc)
             cancelled = anyio.get_cancelled_exc_class()
-            real = [e for e in leaves if not isinstance(e, cancelled)]
+            real = [e for e in found if not isinstance(e, cancelled)]
             if real:
                 ours = [e for e in real if isinstance(e, AsyncRunnerError)]
                 raise (ours or real)[0]
-
-
-def _leaves(group: BaseException) -> list[BaseException]:
-    if isinstance(group, BaseExceptionGroup):
-        return [leaf for e in group.exceptions for leaf in _leaves(e)]
-    return [group]
