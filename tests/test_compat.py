@@ -316,50 +316,6 @@ async def test_run_called_where_an_event_loop_is_running(env: Any) -> None:
     assert head([one]) == head(expected[1:])
 
 
-@pytest.mark.slow  # a score: several agents over two scenarios, twice
-def test_l2rpn_2020_score_is_the_same_with_compat(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    import grid2op.utils.underlying_statistics as statistics
-    from grid2op.utils import ScoreL2RPN2020
-
-    def score(folder: str) -> Any:
-        # The statistics are stored in the env's folder: each computation gets its own copy.
-        path = tmp_path / folder / "l2rpn_case14_sandbox"
-        shutil.copytree(GRID2OP_DATA / "l2rpn_case14_sandbox", path)
-        env = make_env(str(path))
-        scorer = quiet(
-            ScoreL2RPN2020,
-            env,
-            nb_scenario=2,
-            max_step=10,
-            env_seeds=[1, 2],
-            agent_seeds=[3, 4],
-        )
-        agent = SampleAgent(env.action_space)
-        result = quiet(scorer.get, agent, nb_process=2)
-        env.close()
-        return result
-
-    played: list[int] = []
-
-    class CountingRunner(compat.Runner):
-        def _ar_call(self, nb_process: int, nb_episode: int, kwargs: dict[str, Any]) -> Any:
-            played.append(nb_episode)
-            return super()._ar_call(nb_process, nb_episode, kwargs)
-
-    expected = score("grid2op")
-    assert played == []
-    monkeypatch.setattr(statistics, "Runner", CountingRunner)
-    ours = score("compat")
-    # The reference agents' statistics (do nothing, reconnecting lines) and the agent's own
-    # episodes all played in compat's workers: 2 scenarios each.
-    assert played == [2, 2, 2]
-    assert ours == expected
-    scores, n_played, _ = ours
-    assert len(scores) == len(n_played) == 2 and min(n_played) > 0
-
-
 def test_an_agent_that_cannot_be_pickled_plays_in_process(env: Any) -> None:
     agent = SampleAgent(env.action_space)
     agent.lock = multiprocessing.Lock().__enter__  # a bound method of a lock: not picklable

@@ -13,14 +13,13 @@ import json
 import shutil
 import types
 import warnings
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import grid2op
 import numpy as np
 import pytest
-from grid2op.Agent import BaseAgent, DoNothingAgent, RandomAgent
+from grid2op.Agent import DoNothingAgent, RandomAgent
 from grid2op.Chronics import FromHandlers, MultifolderWithCache
 from grid2op.Chronics.handlers import CSVHandler, JSONMaintenanceHandler, NoisyForecastHandler
 from grid2op.Reward import FlatReward
@@ -32,24 +31,9 @@ from asyncrunner._worker import Recipe, _Cached
 from asyncrunner.sinks import CallbackSink
 
 from .conftest import LightSimBackend, make_env
+from .helpers import SampleAgent
 
 pytestmark = pytest.mark.anyio
-
-
-class SampleAgent(BaseAgent):  # type: ignore[misc]  # grid2op is untyped
-    """A seeded random agent that costs nothing to build (RandomAgent lists every unitary action:
-    up to a minute on the big grids): samples its action space."""
-
-    def act(self, observation: Any, reward: float, done: bool = False) -> Any:
-        return self.action_space.sample()
-
-
-class StorageAgent(BaseAgent):  # type: ignore[misc]  # grid2op is untyped
-    """Charges every storage unit at each step: what a score's storage cost counts."""
-
-    def act(self, observation: Any, reward: float, done: bool = False) -> Any:
-        n = type(observation).n_storage
-        return self.action_space({"set_storage": [(i, 1.0) for i in range(n)]})
 
 
 # grid2op's results, by (env, agent, arguments): computed once per test session.
@@ -365,66 +349,3 @@ async def test_saved_arrays_match_grid2op(name: str, agent: type, tmp_path: Path
         assert result.path is not None and chronic is not None
         assert _same_folder(Path(result.path), tmp_path / "grid2op" / chronic) == []
     env.close()
-
-
-# --- slow tier: the L2RPN scores with compat.Runner patched in ---------------------------------
-
-
-def _score_env(name: str, folder: Path) -> Any:
-    """The env from a copy of its data: scores cache their statistics inside the env's folder."""
-    source = make_env(name)
-    shutil.copytree(source.get_path_env(), folder / name)
-    source.close()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return grid2op.make(str(folder / name), backend=LightSimBackend())
-
-
-def _score(name: str, folder: Path, make_score: Callable[[Any], Any]) -> str:
-    env = _score_env(name, folder)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        score = make_score(env)
-        agent = (StorageAgent if env.n_storage else SampleAgent)(env.action_space)
-        result = repr(score.get(agent))
-    env.close()
-    return result
-
-
-def _scores() -> list[Any]:
-    from grid2op.Reward import L2RPNWCCI2022ScoreFun
-    from grid2op.utils import ScoreICAPS2021, ScoreL2RPN2020, ScoreL2RPN2022, ScoreL2RPN2023
-
-    small: dict[str, Any] = dict(nb_scenario=2, max_step=12, env_seeds=[1, 2], agent_seeds=[3, 4])
-    one = dict(small, nb_scenario=1, env_seeds=[1], agent_seeds=[3])  # its only chronic
-    return [
-        pytest.param(
-            "l2rpn_case14_sandbox", lambda env: ScoreL2RPN2020(env, **small), id="ScoreL2RPN2020"
-        ),
-        pytest.param(
-            "l2rpn_wcci_2022_dev",
-            lambda env: ScoreL2RPN2022(
-                env, scores_func=L2RPNWCCI2022ScoreFun(storage_cost=100.0), **one
-            ),
-            id="ScoreL2RPN2022-storage_cost",
-        ),
-        pytest.param(
-            "l2rpn_idf_2023", lambda env: ScoreL2RPN2023(env, **small), id="ScoreL2RPN2023"
-        ),
-        pytest.param(
-            "l2rpn_icaps_2021", lambda env: ScoreICAPS2021(env, **small), id="ScoreICAPS2021"
-        ),
-    ]
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(900)  # each phase of a score is a Runner: grid2op's builds an env per episode
-@pytest.mark.parametrize(("name", "make_score"), _scores())
-def test_scores_match_grid2op(
-    name: str, make_score: Callable[[Any], Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    import grid2op.utils.underlying_statistics as statistics
-
-    expected = _score(name, tmp_path / "grid2op", make_score)
-    monkeypatch.setattr(statistics, "Runner", asyncrunner.compat.Runner)
-    assert _score(name, tmp_path / "ours", make_score) == expected

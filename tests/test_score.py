@@ -8,13 +8,16 @@ import shutil
 import subprocess
 import sys
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 import asyncrunner
+from asyncrunner import compat
 from tests.conftest import make_env
+from tests.helpers import StorageAgent, quiet
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")
@@ -37,41 +40,71 @@ def env_copy(name: str, where: Path) -> Any:
     return make_env(str(folder))
 
 
-# (competition, grid2op's class, env, its number of chronics, second agent): RandomAgent's action
-# list is too big on l2rpn_idf_2023 (147,896 actions), so a line-reconnecting agent stands in.
+# (competition, grid2op's class, env, scenarios played, second agent): RandomAgent's action list is
+# too big on l2rpn_idf_2023 (147,896 actions), so a line-reconnecting agent stands in; on
+# l2rpn_wcci_2022_dev the second agent charges the storage units (the score's storage cost).
 CASES = [
     ("l2rpn_2020", "ScoreL2RPN2020", "l2rpn_case14_sandbox", 2, RandomAgent),
-    ("l2rpn_wcci_2022", "ScoreL2RPN2022", "l2rpn_wcci_2022_dev", 1, RandomAgent),
-    ("icaps_2021", "ScoreICAPS2021", "l2rpn_icaps_2021", 2, RandomAgent),
+    ("l2rpn_wcci_2022", "ScoreL2RPN2022", "l2rpn_wcci_2022_dev", 1, StorageAgent),
+    ("icaps_2021", "ScoreICAPS2021", "l2rpn_icaps_2021", 1, RandomAgent),
     ("l2rpn_2023", "ScoreL2RPN2023", "l2rpn_idf_2023", 2, RecoPowerlineAgent),
 ]
 SEEDS = [3, 7]
+MAX_STEP = 12
+
+
+def _class_kwargs(nb: int) -> dict[str, Any]:
+    return {
+        "nb_scenario": nb,
+        "max_step": MAX_STEP,
+        "env_seeds": SEEDS[:nb],
+        "agent_seeds": SEEDS[:nb],
+    }
+
+
+@pytest.fixture(scope="module")
+def grid2op_scores(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], list[Any]]:
+    """``grid2op_scores(competition)``: what grid2op's class (with grid2op's Runner) gives for
+    DoNothingAgent and the case's second agent; computed once for the tests that compare to it."""
+    computed: dict[str, list[Any]] = {}
+
+    def get(competition: str) -> list[Any]:
+        if competition not in computed:
+            _, cls, name, nb, second = next(c for c in CASES if c[0] == competition)
+            env = env_copy(name, tmp_path_factory.mktemp("grid2op"))
+            try:
+                scorer = quiet(getattr(grid2op.utils, cls), env, **_class_kwargs(nb))
+                computed[competition] = [
+                    quiet(scorer.get, DoNothingAgent(env.action_space)),
+                    quiet(scorer.get, second(env.action_space)),
+                ]
+            finally:
+                env.close()
+        return computed[competition]
+
+    return get
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])
 @pytest.mark.parametrize(("competition", "cls", "name", "nb", "second"), CASES)
 async def test_score_equals_grid2ops_class_for_two_agents(
-    tmp_path: Path, competition: str, cls: str, name: str, nb: int, second: type
+    tmp_path: Path,
+    grid2op_scores: Callable[[str], list[Any]],
+    competition: str,
+    cls: str,
+    name: str,
+    nb: int,
+    second: type,
 ) -> None:
+    expected = grid2op_scores(competition)
     ours_env = env_copy(name, tmp_path / "ours")
-    theirs_env = env_copy(name, tmp_path / "theirs")
     try:
-        scorer = getattr(grid2op.utils, cls)(
-            theirs_env, nb_scenario=nb, max_step=20, env_seeds=SEEDS[:nb], agent_seeds=SEEDS[:nb]
-        )
-        expected = [
-            scorer.get(DoNothingAgent(theirs_env.action_space)),
-            scorer.get(second(theirs_env.action_space)),
-        ]
         results = await asyncrunner.score(
             ours_env,
             [DoNothingAgent, second],
             competition=competition,
-            nb_scenario=nb,
-            max_step=20,
-            env_seeds=SEEDS[:nb],
-            agent_seeds=SEEDS[:nb],
+            **_class_kwargs(nb),
             workers=2,
             cache_dir=tmp_path / "cache",
         )
@@ -87,7 +120,46 @@ async def test_score_equals_grid2ops_class_for_two_agents(
         assert EpisodeStatistics.list_stats(ours_env) == []
     finally:
         ours_env.close()
-        theirs_env.close()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)  # each phase of grid2op's class is a Runner
+@pytest.mark.parametrize(("competition", "cls", "name", "nb", "second"), CASES)
+def test_grid2ops_class_with_compat_patched_in_gives_the_same_score(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    grid2op_scores: Callable[[str], list[Any]],
+    competition: str,
+    cls: str,
+    name: str,
+    nb: int,
+    second: type,
+) -> None:
+    # As the README says to: grid2op's score classes on compat.Runner's worker pool.
+    import grid2op.utils.underlying_statistics as statistics
+
+    expected = grid2op_scores(competition)
+    played: list[int] = []
+
+    class CountingRunner(compat.Runner):
+        def _ar_call(self, nb_process: int, nb_episode: int, kwargs: dict[str, Any]) -> Any:
+            played.append(nb_episode)
+            return super()._ar_call(nb_process, nb_episode, kwargs)
+
+    monkeypatch.setattr(statistics, "Runner", CountingRunner)
+    env = env_copy(name, tmp_path)
+    try:
+        scorer = quiet(getattr(grid2op.utils, cls), env, **_class_kwargs(nb))
+        ours = [
+            quiet(scorer.get, DoNothingAgent(env.action_space), nb_process=2),
+            quiet(scorer.get, second(env.action_space), nb_process=2),
+        ]
+    finally:
+        env.close()
+    assert ours == expected
+    # Both reference agents (do nothing, reconnecting lines) and both agents played in compat's
+    # workers.
+    assert played == [nb] * 4
 
 
 @pytest.mark.slow
