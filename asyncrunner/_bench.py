@@ -521,7 +521,7 @@ class _FirstSteps:
         self.by_worker: dict[int, float] = {}
 
     def __call__(self, event: Any) -> None:
-        from ._events import EpisodeStarted
+        from ._model import EpisodeStarted
 
         if isinstance(event, EpisodeStarted) and event.worker not in self.by_worker:
             self.by_worker[event.worker] = time.perf_counter() - self.start

@@ -22,9 +22,8 @@ from collections.abc import Sequence
 from dataclasses import replace as _replace
 from typing import Any, NoReturn
 
-from ._events import EpisodeFailed, EpisodeFinished, EpisodeStarted, Event, RunStarted
 from ._exceptions import EpisodeError
-from ._results import EpisodeResult
+from ._model import EpisodeFailed, EpisodeFinished, EpisodeResult, EpisodeStarted, Event, RunStarted
 from .sinks import Sink
 
 __all__ = ["main"]

@@ -16,7 +16,7 @@ import anyio
 import anyio.to_thread
 import numpy as np
 
-from ._events import EpisodeFinished, EpisodeStarted
+from ._model import EpisodeFinished, EpisodeStarted
 from .sinks._compact import compact_capacity, compact_content
 from .sinks._episode_data import BufferingSink, _EpisodeBuffer
 

@@ -13,9 +13,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any, TypeGuard
 
-from ._events import Event
-from ._plan import EpisodeRequest, _check_id, plan_episodes
-from ._results import EpisodeResult
+from ._model import EpisodeRequest, EpisodeResult, Event
+from ._plan import _check_id, plan_episodes
 from .sinks._base import Sink
 
 __all__ = ["OnlyMix", "mixes_of", "plan_mixes", "resume_mixes", "runner_params"]

@@ -20,18 +20,18 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 
 from ._central import serving
 from ._channel import Channel, open_channel
-from ._events import (
+from ._exceptions import EpisodeError, SinkError, leaves
+from ._model import (
     EpisodeFailed,
     EpisodeFinished,
+    EpisodeRequest,
+    EpisodeResult,
     EpisodeStarted,
     Event,
     RunFinished,
     RunStarted,
     StepBatch,
 )
-from ._exceptions import EpisodeError, SinkError, leaves
-from ._plan import EpisodeRequest
-from ._results import EpisodeResult
 from ._worker import EpisodeJob, run_episode, run_episodes
 from .sinks._base import Sink
 

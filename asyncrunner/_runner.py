@@ -22,12 +22,11 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 from ._central import CentralAgent, is_async_agent
 from ._channel import Channel
 from ._dask import as_dask
-from ._events import Event
 from ._exceptions import AsyncRunnerError, EpisodeError, leaves
 from ._forkpool import ForkPool, available
+from ._model import EpisodeResult, Event
 from ._multimix import OnlyMix, mixes_of, plan_mixes, resume_mixes, runner_params
 from ._plan import check_path_save, check_with_env, chronic_names, plan_episodes
-from ._results import EpisodeResult
 from ._run import Run
 from ._worker import Recipe, dumps, warm
 from .sinks._base import Sink

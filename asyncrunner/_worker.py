@@ -28,7 +28,7 @@ import cloudpickle
 import numpy as np
 
 from . import _channel
-from ._events import EpisodeFailed, EpisodeFinished, EpisodeStarted, StepBatch
+from ._model import EpisodeFailed, EpisodeFinished, EpisodeStarted, StepBatch
 
 __all__ = ["EpisodeJob", "Recipe", "dumps", "run_episode", "run_episodes", "warm"]
 

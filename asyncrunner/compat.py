@@ -68,9 +68,8 @@ from grid2op.Action import BaseAction
 from grid2op.Exceptions import ChronicsError, EnvError, Grid2OpException
 from grid2op.Runner import Runner as _GridRunner
 
-from ._events import EpisodeStarted, Event, StepBatch
+from ._model import EpisodeResult, EpisodeStarted, Event, StepBatch
 from ._plan import MAX_ENV_SEED, chronic_names
-from ._results import EpisodeResult
 from ._runner import AsyncRunner
 from ._worker import dumps
 from .sinks import CompactEpisodeWriter, EpisodeDataWriter

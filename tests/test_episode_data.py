@@ -20,7 +20,7 @@ from grid2op.Reward import FlatReward, L2RPNReward
 from grid2op.Runner import Runner
 
 from asyncrunner import AsyncRunner
-from asyncrunner._events import (
+from asyncrunner._model import (
     EpisodeFailed,
     EpisodeFinished,
     EpisodeStarted,

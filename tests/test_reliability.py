@@ -115,8 +115,7 @@ async def test_a_replayed_episode_keeps_its_first_result() -> None:
     # death was noticed before the end arrived): the replay's end is dropped, counted once.
     from typing import cast
 
-    from asyncrunner._events import EpisodeFinished
-    from asyncrunner._plan import EpisodeRequest
+    from asyncrunner._model import EpisodeFinished, EpisodeRequest
     from asyncrunner._run import Run
 
     requests = [EpisodeRequest(i, i, None, None, None, None, None) for i in range(2)]

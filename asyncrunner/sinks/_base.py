@@ -6,7 +6,7 @@ import abc
 
 from anyio.abc import AsyncResource
 
-from .._events import Event
+from .._model import Event
 
 __all__ = ["Sink"]
 

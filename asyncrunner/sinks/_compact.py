@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from .._events import EpisodeFinished, EpisodeStarted
+from .._model import EpisodeFinished, EpisodeStarted
 from ._episode_data import SPACE_FILES, _EpisodeBuffer, _Writer, json_bytes, sync, write_file
 from ._npz import npz_bytes
 

@@ -23,13 +23,20 @@ import anyio
 import anyio.to_thread
 import numpy as np
 
-from .._events import EpisodeFailed, EpisodeFinished, EpisodeStarted, Event, RunStarted, StepBatch
-from .._results import EpisodeResult
+from .._model import (
+    EpisodeFailed,
+    EpisodeFinished,
+    EpisodeResult,
+    EpisodeStarted,
+    Event,
+    RunStarted,
+    StepBatch,
+)
 from ._base import Sink
 from ._npz import npz_bytes
 
 if TYPE_CHECKING:
-    from .._plan import EpisodeRequest
+    from .._model import EpisodeRequest
 
 __all__ = ["EpisodeDataWriter"]
 

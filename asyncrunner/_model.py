@@ -1,9 +1,11 @@
-"""The events a run emits, in the order a sink sees them.
+"""The model every layer shares: what a run is asked to play, the events it emits, its results.
 
-``RunStarted``, then for each episode ``EpisodeStarted``, any number of ``StepBatch`` and one of
-``EpisodeFinished`` / ``EpisodeFailed``, then ``RunFinished``. Events of different episodes interleave.
-A worker that dies mid-episode yields ``EpisodeFailed(retrying=True)`` and the episode starts again
-with ``attempt + 1``: sinks drop what they hold for the failed attempt.
+``EpisodeRequest``: one requested episode (planned by ``_plan``). Events, in the order a sink
+sees them: ``RunStarted``, then for each episode ``EpisodeStarted``, any number of ``StepBatch``
+and one of ``EpisodeFinished`` / ``EpisodeFailed``, then ``RunFinished``. Events of different
+episodes interleave. A worker that dies mid-episode yields ``EpisodeFailed(retrying=True)`` and
+the episode starts again with ``attempt + 1``: sinks drop what they hold for the failed attempt.
+``EpisodeResult``: what ``AsyncRunner.run`` returns, one per requested episode.
 """
 
 from __future__ import annotations
@@ -14,17 +16,34 @@ from typing import Any
 
 import numpy as np
 
-from ._results import EpisodeResult
-
 __all__ = [
     "EpisodeFailed",
     "EpisodeFinished",
+    "EpisodeRequest",
+    "EpisodeResult",
     "EpisodeStarted",
     "Event",
     "RunFinished",
     "RunStarted",
     "StepBatch",
 ]
+
+
+@dataclass(frozen=True)
+class EpisodeRequest:
+    """The ``index``-th requested episode, with grid2op's Runner meaning for each field.
+
+    ``mix``: the mix to play it on, for a ``MultiMixEnvironment`` (``None`` otherwise).
+    """
+
+    index: int
+    episode_id: int | str
+    env_seed: int | None
+    agent_seed: int | None
+    max_iter: int | None
+    init_state: Any
+    reset_options: dict[str, Any] | None
+    mix: str | None = None
 
 
 @dataclass(frozen=True)
@@ -135,6 +154,41 @@ class EpisodeFailed:
     step: int
     retrying: bool = False
     steps_lost: bool = False
+
+
+@dataclass(frozen=True)
+class EpisodeResult:
+    """The outcome of the ``index``-th requested episode.
+
+    ``error`` is ``None`` for a played episode, else the ``EpisodeFailed`` event that ended it.
+    ``path`` is the episode's saved folder, or ``None`` when nothing was saved.
+    ``episode_data``: grid2op's ``EpisodeData`` (or ``CompactEpisodeData``) of the episode when
+    ``run(add_detailed_output=...)`` asked for it. ``mix``: the mix played, on a
+    ``MultiMixEnvironment`` (``None`` otherwise).
+    """
+
+    index: int
+    chronics_path: str | None
+    name: str | None
+    cum_reward: float
+    nb_time_step: int
+    max_ts: int
+    env_seed: int | None
+    agent_seed: int | None
+    path: str | None = None
+    error: EpisodeFailed | None = None
+    nb_highres_sim: int = 0
+    episode_data: Any = field(default=None, repr=False, compare=False)
+    mix: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        """Whether the episode was played to its end."""
+        return self.error is None
+
+    def as_tuple(self) -> tuple[str | None, str | None, float, int, int]:
+        """grid2op's ``(chronics_path, name, cum_reward, nb_time_step, max_ts)``."""
+        return (self.chronics_path, self.name, self.cum_reward, self.nb_time_step, self.max_ts)
 
 
 @dataclass(frozen=True)
