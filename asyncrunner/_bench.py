@@ -299,7 +299,7 @@ class _BareLoopFailed(Exception):
 
 
 def _bench(args: argparse.Namespace) -> dict[str, Any]:
-    from ._plan import chronic_names
+    from ._plan._arguments import chronic_names
 
     rss_start = _rss("VmRSS")
     agent = _load_agent(args.agent)

@@ -309,7 +309,7 @@ def _report_interrupt(settings: _Settings, args: argparse.Namespace, argv: list[
     tracker = settings.tracker
     done = [tracker.finished[i] for i in sorted(tracker.finished)]
     if args.save is not None:
-        from .sinks._episode_data import damage, saved_episodes
+        from ._plan._layout import damage, saved_episodes
 
         # What is really on disk: an episode that finished as the run was cancelled may not be.
         on_disk = {
@@ -345,7 +345,7 @@ class _Settings:
     """What ``run`` will do, checked and built before any worker starts."""
 
     def __init__(self, args: argparse.Namespace) -> None:
-        from ._plan import check_path_save, chronic_names, plan_episodes
+        from ._plan._arguments import check_path_save, chronic_names, plan_episodes
         from ._runner import AsyncRunner
 
         # Everything that can be checked without the env first: building it takes seconds.

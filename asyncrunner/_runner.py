@@ -25,11 +25,13 @@ from ._dask import as_dask
 from ._exceptions import AsyncRunnerError, EpisodeError, leaves
 from ._forkpool import ForkPool, available
 from ._model import EpisodeResult, Event
-from ._multimix import OnlyMix, mixes_of, plan_mixes, resume_mixes, runner_params
-from ._plan import check_path_save, check_with_env, chronic_names, plan_episodes
+from ._plan._arguments import chronic_names
+from ._plan._mixes import mixes_of, runner_params
+from ._plan._planner import plan_run
 from ._run import Run
 from ._worker import Recipe, dumps, warm
 from .sinks._base import Sink
+from .sinks._mix import OnlyMix
 
 __all__ = ["AsyncRunner"]
 
@@ -191,10 +193,8 @@ class AsyncRunner(AsyncResource):
         self.sinks = tuple(sinks)
         self.retries = retries
         self._central = agent if isinstance(agent, CentralAgent) else None
-        self._names = chronic_names(env)
-        self._mix_names = (
-            None if self._mixes is None else {m: chronic_names(e) for m, e in self._mixes.items()}
-        )
+        # Each mix's chronic names; a single env is the mix None.
+        self._names = {mix: chronic_names(source) for mix, source in sources.items()}
         self._space_dicts: dict[str, Any] | None = None
         self._limiter: anyio.CapacityLimiter | None = None
         self._waits: anyio.CapacityLimiter | None = None
@@ -356,28 +356,6 @@ class AsyncRunner(AsyncResource):
         resume: bool = False,
     ) -> Run:
         self._check_open()
-        if self._mix_names is None:
-            requests = plan_episodes(
-                nb_episode,
-                names=self._names,
-                max_iter=max_iter,
-                env_seeds=env_seeds,
-                agent_seeds=agent_seeds,
-                episode_id=episode_id,
-                init_states=init_states,
-                reset_options=reset_options,
-            )
-        else:
-            requests = plan_mixes(
-                nb_episode,
-                self._mix_names,
-                max_iter=max_iter,
-                env_seeds=env_seeds,
-                agent_seeds=agent_seeds,
-                episode_id=episode_id,
-                init_states=init_states,
-                reset_options=reset_options,
-            )
         if on_error not in ("raise", "continue"):
             raise ValueError(f'`on_error` must be "raise" or "continue", got {on_error!r}')
         if episode_timeout is not None:
@@ -399,25 +377,21 @@ class AsyncRunner(AsyncResource):
                     f"sinks must be asyncrunner.sinks.Sink instances, got {type(sink).__name__}; "
                     "wrap a function in CallbackSink(fn)"
                 )
-        if resume and path_save is None:
-            raise ValueError("`resume=True` needs `path_save`: the folder to resume")
-        if path_save is not None:
-            path_save = check_path_save(path_save)
-        # Building actions from initial states, and reading back saved episodes, take a while.
-        await anyio.to_thread.run_sync(check_with_env, requests, self._env_for)
-        skipped: list[EpisodeResult] = []
-        if resume:
-            assert path_save is not None
-            from .sinks._episode_data import resume_plan
-
-            if self._mix_names is None:
-                requests, skipped = await anyio.to_thread.run_sync(
-                    resume_plan, requests, path_save, self._names, self._agent_name
-                )
-            else:
-                requests, skipped = await anyio.to_thread.run_sync(
-                    resume_mixes, requests, path_save, self._mix_names, self._agent_name
-                )
+        plan = await plan_run(
+            nb_episode,
+            names=self._names,
+            env_for=self._env_for,
+            agent=self._agent_name,
+            path_save=path_save,
+            resume=resume,
+            max_iter=max_iter,
+            env_seeds=env_seeds,
+            agent_seeds=agent_seeds,
+            episode_id=episode_id,
+            init_states=init_states,
+            reset_options=reset_options,
+        )
+        requests, skipped, path_save = plan.requests, plan.skipped, plan.path_save
         all_sinks = [*self.sinks, *sinks]
         if path_save is not None:
             from .sinks import EpisodeDataWriter

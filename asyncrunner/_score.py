@@ -29,7 +29,7 @@ from typing import Any
 import anyio
 import anyio.to_thread
 
-from ._plan import check_path_save, chronic_names
+from ._plan._arguments import check_path_save, chronic_names
 from ._runner import AsyncRunner
 
 __all__ = ["COMPETITIONS", "ScenarioScore", "ScoreResult", "score"]

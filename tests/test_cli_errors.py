@@ -93,7 +93,7 @@ def test_save_where_nothing_can_be_written_is_refused(
 
 
 def test_path_save_checks_real_writability(tmp_path: Path) -> None:
-    from asyncrunner._plan import check_path_save
+    from asyncrunner._plan._arguments import check_path_save
 
     with pytest.raises(ValueError, match="is not writable"):
         check_path_save("/sys")

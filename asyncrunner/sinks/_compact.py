@@ -10,7 +10,8 @@ from typing import Any
 import numpy as np
 
 from .._model import EpisodeFinished, EpisodeStarted
-from ._episode_data import SPACE_FILES, _EpisodeBuffer, _Writer, json_bytes, sync, write_file
+from .._plan._layout import SPACE_FILES, sync
+from ._episode_data import _EpisodeBuffer, _Writer, json_bytes, write_file
 from ._npz import npz_bytes
 
 __all__ = ["CompactEpisodeWriter"]

@@ -1,12 +1,11 @@
 """``EpisodeDataWriter``: saves episodes in grid2op's ``EpisodeData`` folder layout, atomically.
 
-Also the on-disk side of ``resume``: which requested episodes are already complete in a folder.
+The layout itself (file names, our record) and reading it back for ``resume`` are in
+``_plan._layout``.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
-import errno
 import hashlib
 import json
 import os
@@ -15,7 +14,6 @@ import secrets
 import shutil
 import socket
 import threading
-import warnings
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -26,45 +24,26 @@ import numpy as np
 from .._model import (
     EpisodeFailed,
     EpisodeFinished,
-    EpisodeResult,
     EpisodeStarted,
     Event,
     RunStarted,
     StepBatch,
 )
+from .._plan._layout import (
+    NAME_TAKEN,
+    RECORD_FILE,
+    RECORD_FORMAT,
+    SPACE_FILES,
+    sync,
+)
 from ._base import Sink
 from ._npz import npz_bytes
 
 if TYPE_CHECKING:
-    from .._model import EpisodeRequest
+    pass
 
 __all__ = ["EpisodeDataWriter"]
 
-# The run-level files grid2op writes once at the top of ``path_save`` (keys of RunStarted.spaces).
-SPACE_FILES = (
-    "dict_action_space.json",
-    "dict_observation_space.json",
-    "dict_env_modification_space.json",
-    "dict_attack_space.json",
-)
-# Files grid2op's EpisodeData.list_episode requires in an episode folder (EpisodeData.ATTR_EPISODE).
-EPISODE_FILES = (
-    "_parameters.json",
-    "episode_meta.json",
-    "episode_times.json",
-    "other_rewards.json",
-    "agent_exec_times.npz",
-    "actions.npz",
-    "env_modifications.npz",
-    "observations.npz",
-    "disc_lines_cascading_failure.npz",
-    "opponent_attack.npz",
-    "rewards.npz",
-)
-# Ours, written last: what was requested, which agent played, and each file's size and checksum,
-# so that ``resume`` recognises the episode and replays it when a file is damaged.
-RECORD_FILE = "asyncrunner.json"
-RECORD_FORMAT = 2
 # Work in progress lives under hidden names that grid2op never lists; the name holds the owner
 # (this machine, this process) so that a later run can remove what a killed one left.
 TMP_PREFIX = ".asyncrunner-tmp-"
@@ -73,12 +52,8 @@ _TMP_OWNER = re.compile(rf"^{re.escape(TMP_PREFIX)}([0-9a-f]{{8}})-([0-9]+)-")
 # This process's work in progress, by path: a dead run's folder may carry our pid (pid reuse).
 _LIVE: set[str] = set()
 _LIVE_LOCK = threading.Lock()
-# Where ``resume`` moves a damaged episode folder (one level down: grid2op does not list it).
-BROKEN_FOLDER = ".asyncrunner-broken"
 # Rows added at a time when an episode's length is unknown (max_ts <= 0).
 _GROW_ROWS = 64
-# rename() errors meaning "that name is taken": try the next one.
-_TAKEN = {errno.EEXIST, errno.ENOTEMPTY, errno.ENOTDIR, errno.EISDIR}
 
 
 class _EpisodeBuffer:
@@ -465,7 +440,7 @@ class EpisodeDataWriter(_Writer):
             try:
                 os.rename(folder, target)  # fails when target is a file or a non-empty folder
             except OSError as exc:
-                if exc.errno in _TAKEN:
+                if exc.errno in NAME_TAKEN:
                     continue
                 raise
             return target
@@ -481,32 +456,6 @@ def write_file(path: str, data: bytes) -> str:
     with open(path, "wb") as f:
         f.write(data)
     return hashlib.sha256(data).hexdigest()
-
-
-def sync(paths: Sequence[str]) -> None:
-    """Flush files, or a folder's entries (names created or renamed in it), to the disk.
-
-    Without it a power loss after the rename that publishes an episode can leave it complete
-    in name and empty in content. The ``fsync`` calls run at once: the file system then commits
-    them together (here 14 in a row took about 8 ms each; at once, about as long as one).
-    """
-    if len(paths) == 1:
-        _fsync(paths[0])
-        return
-    with concurrent.futures.ThreadPoolExecutor(len(paths)) as pool:
-        for _ in pool.map(_fsync, paths):
-            pass
-
-
-def _fsync(path: str) -> None:
-    folder = os.path.isdir(path)
-    if folder and os.name == "nt":
-        return  # Windows has no fsync of a folder
-    fd = os.open(path, os.O_RDONLY if folder else os.O_RDWR)  # Windows flushes writable files
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _alive(pid: int) -> bool:
@@ -530,160 +479,3 @@ def _plain(obj: Any) -> Any:
     if isinstance(obj, np.generic):
         return obj.item()
     return obj
-
-
-# --- resume -----------------------------------------------------------------------------------
-
-
-def _episode_key(episode_id: Any, name: str | None, names: list[str] | None) -> Any:
-    if names is None:
-        return episode_id
-    if isinstance(episode_id, str):
-        return episode_id
-    if name is not None:
-        return name
-    return names[int(episode_id)]
-
-
-def saved_episodes(path: str | os.PathLike[str]) -> list[tuple[str, dict[str, Any]]]:
-    """Episode folders in ``path`` with a record of this format, and their record (unverified)."""
-    path = os.path.abspath(os.fspath(path))
-    if not os.path.isdir(path):
-        return []
-    found = []
-    for entry in sorted(os.listdir(path)):
-        folder = os.path.join(path, entry)
-        if entry.startswith(".") or not os.path.isfile(os.path.join(folder, RECORD_FILE)):
-            continue
-        try:
-            with open(os.path.join(folder, RECORD_FILE), encoding="utf-8") as f:
-                record = json.load(f)
-        except (OSError, ValueError):
-            continue
-        if isinstance(record, dict) and record.get("format") == RECORD_FORMAT:
-            found.append((folder, record))
-    return found
-
-
-def damage(folder: str, record: Mapping[str, Any]) -> str | None:
-    """What is wrong with the files of a saved episode (``None``: each is as recorded)."""
-    files = record.get("files")
-    if not isinstance(files, dict):
-        return f"{RECORD_FILE} lists no files"
-    missing = [name for name in EPISODE_FILES if name not in files]
-    if missing:
-        return f"{RECORD_FILE} does not list {missing[0]}"
-    for name, expected in sorted(files.items()):
-        if os.path.basename(name) != name or not isinstance(expected, dict):
-            return f"{RECORD_FILE} lists {name!r} wrongly"
-        try:
-            with open(os.path.join(folder, name), "rb") as f:
-                size = os.fstat(f.fileno()).st_size
-                digest = hashlib.file_digest(f, "sha256").hexdigest()
-        except OSError as exc:
-            return f"{name} cannot be read ({exc.strerror or exc})"
-        if size != expected.get("size"):
-            return f"{name} has {size} bytes where {expected.get('size')} were written"
-        if digest != expected.get("sha256"):
-            return f"{name} differs from what was written (sha256)"
-    return None
-
-
-def _move_aside(path: str, folder: str) -> str:
-    """Move a damaged episode folder into ``path/.asyncrunner-broken/``; returns where."""
-    broken = os.path.join(path, BROKEN_FOLDER)
-    os.makedirs(broken, exist_ok=True)
-    name = os.path.basename(folder)
-    k = 0
-    while True:
-        target = os.path.join(broken, name if k == 0 else f"{name}_{k}")
-        k += 1
-        if os.path.lexists(target):
-            continue
-        try:
-            os.rename(folder, target)
-        except OSError as exc:
-            if exc.errno in _TAKEN:
-                continue
-            raise
-        sync([broken, path])
-        return target
-
-
-def resume_plan(
-    requests: Sequence[EpisodeRequest],
-    path: str | os.PathLike[str],
-    names: list[str] | None,
-    agent: str | None,
-) -> tuple[list[EpisodeRequest], list[EpisodeResult]]:
-    """Split ``requests`` into those still to play and results read back from ``path``.
-
-    A request is complete when a folder in ``path`` saved the same chronic with the same agent,
-    env seed, agent seed and ``max_iter`` (``init_states`` / ``reset_options`` are not
-    compared), and each of its files is as written (size and sha256 in its record). Each
-    folder stands for one request at most (a chronic requested twice needs two folders). A
-    matching folder whose files are damaged is moved into ``path/.asyncrunner-broken/`` (with a
-    warning) and its episode plays again. Reads every matching file: call it off the event loop.
-    """
-    path = os.path.abspath(os.fspath(path))
-    pool: dict[Any, list[tuple[str, dict[str, Any]]]] = {}
-    for folder, record in saved_episodes(path):
-        key = (
-            _episode_key(record.get("episode_id"), record.get("name"), names),
-            record.get("agent"),
-            record.get("env_seed"),
-            record.get("agent_seed"),
-            record.get("max_iter"),
-        )
-        pool.setdefault(key, []).append((folder, record))
-    todo: list[EpisodeRequest] = []
-    done: list[EpisodeResult] = []
-    for request in requests:
-        key = (
-            _episode_key(request.episode_id, None, names),
-            agent,
-            request.env_seed,
-            request.agent_seed,
-            request.max_iter,
-        )
-        found = _intact(path, pool.get(key, []))
-        if found is None:
-            todo.append(request)
-            continue
-        folder, record, meta = found
-        done.append(
-            EpisodeResult(
-                index=request.index,
-                chronics_path=meta.get("chronics_path"),
-                name=record.get("name"),
-                cum_reward=float(meta.get("cumulative_reward", 0.0)),
-                nb_time_step=int(meta.get("nb_timestep_played", 0)),
-                max_ts=max(int(meta.get("chronics_max_timestep", 0)), 0),
-                env_seed=request.env_seed,
-                agent_seed=request.agent_seed,
-                path=folder,
-                nb_highres_sim=int(record.get("nb_highres_sim", 0)),
-            )
-        )
-    return todo, done
-
-
-def _intact(
-    path: str, matches: list[tuple[str, dict[str, Any]]]
-) -> tuple[str, dict[str, Any], dict[str, Any]] | None:
-    """Take the first intact folder of ``matches`` (with its meta), moving damaged ones aside."""
-    while matches:
-        folder, record = matches.pop(0)
-        problem = damage(folder, record)
-        if problem is None:
-            with open(os.path.join(folder, "episode_meta.json"), encoding="utf-8") as f:
-                return folder, record, json.load(f)
-        if not os.path.isdir(folder):
-            continue  # moved by another run resuming the same folder
-        aside = _move_aside(path, folder)
-        warnings.warn(
-            f"resume: the saved episode {folder} is damaged ({problem}); it was moved to "
-            f"{aside} and the episode plays again",
-            stacklevel=2,
-        )
-    return None

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from ._model import EpisodeRequest
+from .._model import EpisodeRequest
 
 __all__ = ["check_with_env", "chronic_names", "plan_episodes"]
 
