@@ -6,7 +6,7 @@ async with AsyncRunner(env, agent=DoNothingAgent, workers=2) as runner:
 
 from __future__ import annotations
 
-from ._central import CentralAgent
+from ._engine._central import CentralAgent
 from ._exceptions import AsyncRunnerError, EpisodeError, SinkError, WorkerChannelError
 from ._model import (
     EpisodeFailed,

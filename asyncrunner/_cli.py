@@ -402,7 +402,7 @@ class _Settings:
             workers = args.workers
             if args.scheduler is not None or args.dask_local is not None:
                 try:
-                    from ._dask import DaskExecutor
+                    from ._pools._dask import DaskExecutor
 
                     executor = DaskExecutor(args.scheduler, local_workers=args.dask_local)
                 except ImportError as exc:

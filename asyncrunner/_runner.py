@@ -9,27 +9,28 @@ import hashlib
 import inspect
 import numbers
 import os
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import replace
 from typing import Any, Literal, TypeVar
 
 import anyio
 import anyio.to_process
-from anyio.abc import AsyncResource, Process, TaskGroup
-from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+from anyio.abc import AsyncResource
 
-from ._central import CentralAgent, is_async_agent
-from ._channel import Channel
-from ._dask import as_dask
+from ._engine._central import CentralAgent, is_async_agent
+from ._engine._dispatch import Run, RunSettings
+from ._engine._pool import WorkerPool
+from ._engine._worker import Recipe, dumps, warm
 from ._exceptions import AsyncRunnerError, EpisodeError, leaves
-from ._forkpool import ForkPool, available
 from ._model import EpisodeResult, Event
 from ._plan._arguments import chronic_names
 from ._plan._mixes import mixes_of, runner_params
 from ._plan._planner import plan_run
-from ._run import Run
-from ._worker import Recipe, dumps, warm
+from ._pools._dask import DaskPool, as_dask
+from ._pools._executor import ExecutorPool
+from ._pools._fork import ForkPool, available
+from ._pools._process import ProcessPool
 from .sinks._base import Sink
 from .sinks._mix import OnlyMix
 
@@ -37,8 +38,6 @@ __all__ = ["AsyncRunner"]
 
 T = TypeVar("T")
 
-# Seconds an idle worker gets to exit on its own when the runner closes.
-_STOP_GRACE = 5.0
 # Local workers are forked from this process where that is safe (Linux): a fresh interpreter
 # (anyio.to_process, used elsewhere) first spends about 2 s importing grid2op.
 _FORK = available()
@@ -196,15 +195,7 @@ class AsyncRunner(AsyncResource):
         # Each mix's chronic names; a single env is the mix None.
         self._names = {mix: chronic_names(source) for mix, source in sources.items()}
         self._space_dicts: dict[str, Any] | None = None
-        self._limiter: anyio.CapacityLimiter | None = None
-        self._waits: anyio.CapacityLimiter | None = None
-        self._pool: ForkPool | None = None
-        self._pids: set[int] = set()
-        self._warm_group: TaskGroup | None = None
-        # Warm-up workers not yet promised to a call, and their "ready" signals.
-        self._warm_left = 0
-        self._warm_send: MemoryObjectSendStream[None] | None = None
-        self._warm_ready: MemoryObjectReceiveStream[None] | None = None
+        self._pool: WorkerPool | None = None
         self._closed = False
 
     # --- the pool ------------------------------------------------------------------------------
@@ -214,66 +205,37 @@ class AsyncRunner(AsyncResource):
         # Start the workers and build their envs now, while the caller prepares its first run.
         # No more than the CPUs: more would not be ready sooner, and a run of fewer episodes
         # would not use them. A run's first calls take these workers as they become ready
-        # rather than start more processes (see _call).
+        # rather than start more processes (see WorkerPool.warm_up).
         count = min(self.workers, os.cpu_count() or 1)
-        self._warm_left = count
-        self._warm_send, self._warm_ready = anyio.create_memory_object_stream[None](count)
-        self._warm_group = anyio.create_task_group()
-        await self._warm_group.__aenter__()
-        for _ in range(count):
-            self._warm_group.start_soon(self._warm_one, self._warm_send)
+        await self._get_pool().warm_up(count, warm, self._recipe_key, self._recipe_bytes)
         return self
-
-    async def _warm_one(self, ready: MemoryObjectSendStream[None]) -> None:
-        try:
-            self._pids.add(await self._submit(warm, self._recipe_key, self._recipe_bytes))
-        except Exception:
-            pass  # the first episode on this worker reports the same error, with its context
-        finally:
-            ready.send_nowait(None)  # its worker is free (or gone), even when cancelled
 
     async def aclose(self) -> None:
         """Stop the warm-up, then the worker processes this runner used (idle ones)."""
         if self._closed:
             return
         self._closed = True
-        group, self._warm_group = self._warm_group, None
-        if group is not None:
-            group.cancel_scope.cancel()
-            await group.__aexit__(None, None, None)
-        for stream in (self._warm_send, self._warm_ready):
-            if stream is not None:
-                stream.close()
-        with anyio.CancelScope(shield=True):
-            await self._stop_workers()
-
-    async def _stop_workers(self) -> None:
-        if self._dask is not None:
-            await self._dask.aclose()  # a client or cluster it opened (yours stays open)
-            return
-        if self.executor is not None:
-            return  # the caller's executor: theirs to shut down
         if self._pool is not None:
             await self._pool.aclose()
-            return
-        # anyio keeps its process pool per event loop and has no public way to stop it; we stop
-        # the idle processes that served this runner so none outlives it.
-        try:
-            workers = anyio.to_process._process_pool_workers.get()
-            idle = anyio.to_process._process_pool_idle_workers.get()
-        except LookupError:
-            return
-        mine = [entry for entry in idle if entry[0].pid in self._pids]
-        for entry in mine:
-            idle.remove(entry)
-            workers.discard(entry[0])
-        async with anyio.create_task_group() as group:
-            for process, _ in mine:
-                group.start_soon(_stop_process, process)
 
-    def _recipe_for(self, mix: str | None) -> tuple[str, bytes]:
-        """The recipe (key, pickled) of the env that plays episodes of ``mix``."""
-        return self._recipes[mix]
+    @property
+    def _pids(self) -> set[int]:
+        """The pids of the workers that served this runner (none until a call starts one)."""
+        return set() if self._pool is None else self._pool.served
+
+    def _get_pool(self) -> WorkerPool:
+        """The pool of this runner, made on first use (its limiter needs the event loop)."""
+        if self._pool is None:
+            limiter = anyio.CapacityLimiter(self.workers)
+            if self._dask is not None:
+                self._pool = DaskPool(self._dask, limiter)
+            elif self.executor is not None:
+                self._pool = ExecutorPool(self.executor, limiter)
+            elif _FORK:
+                self._pool = ForkPool(limiter)
+            else:
+                self._pool = ProcessPool(limiter)
+        return self._pool
 
     def _env_for(self, mix: str | None) -> Any:
         """The parent's env (or mix) behind episodes of ``mix``."""
@@ -282,42 +244,6 @@ class AsyncRunner(AsyncResource):
     def _check_open(self) -> None:
         if self._closed:
             raise AsyncRunnerError("this AsyncRunner is closed: create a new one")
-
-    def _watch(self, channel: Channel) -> None:
-        # Remember which processes served us (they say so when they connect).
-        channel.pids = self._pids
-
-    async def _call(self, fn: Callable[..., T], *args: Any) -> T:
-        if self._warm_left and self._warm_ready is not None:
-            self._warm_left -= 1
-            await self._warm_ready.receive()  # a warm-up call ended: its worker is idle
-        return await self._submit(fn, *args)
-
-    async def _submit(self, fn: Callable[..., T], *args: Any) -> T:
-        if self._limiter is None:
-            self._limiter = anyio.CapacityLimiter(self.workers)
-            # Threads waiting for an executor's future, one per episode playing: never from
-            # anyio's default pool, which the sinks need to finish (see _forkpool).
-            self._waits = anyio.CapacityLimiter(self.workers)
-        if self._dask is not None:
-            async with self._limiter:
-                return await self._dask.call(fn, *args)
-        if self.executor is None and _FORK:
-            if self._pool is None:
-                self._pool = ForkPool(self._limiter)
-            return await self._pool.call(fn, *args)
-        if self.executor is None:
-            return await anyio.to_process.run_sync(
-                fn, *args, cancellable=True, limiter=self._limiter
-            )
-        async with self._limiter:
-            future = self.executor.submit(fn, *args)
-            try:
-                return await anyio.to_thread.run_sync(
-                    future.result, abandon_on_cancel=True, limiter=self._waits
-                )
-            finally:
-                future.cancel()
 
     async def _spaces(self) -> dict[str, Any]:
         if self._space_dicts is None:
@@ -408,16 +334,19 @@ class AsyncRunner(AsyncResource):
 
             all_sinks.append(ProgressBar(pbar))
         detail = streaming or any(getattr(s, "needs_steps", True) for s in all_sinks)
-        return Run(
-            self,
-            requests,
+        settings = RunSettings(
             sinks=all_sinks,
             on_error=on_error,  # type: ignore[arg-type]  # a str here, checked "raise"/"continue" above
             retries=retries,
             episode_timeout=episode_timeout,
             detail=detail,
-            skipped=skipped,
+            recipes=self._recipes,
+            agent=self._agent_name,
+            central=self._central,
+            env_for=self._env_for,
+            spaces=await self._spaces() if detail else {},
         )
+        return Run(self._get_pool(), requests, settings, skipped=skipped)
 
     async def run(
         self,
@@ -457,7 +386,7 @@ class AsyncRunner(AsyncResource):
         """
         collector = None
         if add_detailed_output:
-            from ._detail import DetailCollector
+            from .sinks._detail import DetailCollector
 
             collector = DetailCollector(self._env_for, compact=add_detailed_output == "compact")
             sinks = [*sinks, collector]
@@ -543,18 +472,6 @@ class AsyncRunner(AsyncResource):
                     yield receive
                 finally:
                     group.cancel_scope.cancel()
-
-
-async def _stop_process(process: Process) -> None:
-    # Closing its stdin ends an anyio worker cleanly (it exits on EOF, running atexit hooks);
-    # one that does not exit in time is killed.
-    if process.stdin is not None:
-        await process.stdin.aclose()
-    with anyio.move_on_after(_STOP_GRACE):
-        await process.wait()
-    if process.returncode is None:
-        process.kill()
-    await process.aclose()
 
 
 class _unwrapped:

@@ -28,7 +28,7 @@ from grid2op.Runner import Runner
 
 import asyncrunner.compat
 from asyncrunner import AsyncRunner, EpisodeResult, EpisodeStarted
-from asyncrunner._worker import Recipe, _Cached
+from asyncrunner._engine._worker import Recipe, _Cached
 from asyncrunner.sinks import CallbackSink
 
 from .conftest import LightSimBackend, make_env

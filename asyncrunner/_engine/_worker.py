@@ -27,8 +27,8 @@ from typing import Any
 import cloudpickle
 import numpy as np
 
+from .._model import EpisodeFailed, EpisodeFinished, EpisodeStarted, StepBatch
 from . import _channel
-from ._model import EpisodeFailed, EpisodeFinished, EpisodeStarted, StepBatch
 
 __all__ = ["EpisodeJob", "Recipe", "dumps", "run_episode", "run_episodes", "warm"]
 

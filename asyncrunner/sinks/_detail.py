@@ -16,9 +16,9 @@ import anyio
 import anyio.to_thread
 import numpy as np
 
-from ._model import EpisodeFinished, EpisodeStarted
-from .sinks._compact import compact_capacity, compact_content
-from .sinks._episode_data import BufferingSink, _EpisodeBuffer
+from .._model import EpisodeFinished, EpisodeStarted
+from ._compact import compact_capacity, compact_content
+from ._episode_data import BufferingSink, _EpisodeBuffer
 
 __all__ = ["DetailCollector", "compact_episode_data", "episode_data"]
 
