@@ -272,7 +272,7 @@ def test_plot_legend_clears_the_bars_and_identical_lines_stay_visible(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     pytest.importorskip("matplotlib")
-    from asyncrunner._show import figure, read_run
+    from asyncrunner._cli._show import figure, read_run
 
     runs = tmp_path / "runs"
     # The same chronic twice with the same seeds: identical episodes, identical lines.

@@ -86,16 +86,16 @@ from typing import Any
 
 import anyio
 
-from ._cli import (
-    _QUIET,
+from ._common import (
     DEFAULT_ENV,
-    _count,
-    _derive_seeds,
-    _load_agent,
-    _make_env,
-    _max_iter,
-    _Parser,
-    _UsageError,
+    QUIET,
+    Parser,
+    UsageError,
+    at_least,
+    derive_seeds,
+    load_agent,
+    make_env,
+    parse_max_iter,
 )
 
 __all__ = ["main"]
@@ -125,8 +125,8 @@ _KEYS = (
 # --- command line ----------------------------------------------------------------------------
 
 
-def _build_parser() -> _Parser:
-    parser = _Parser(
+def build_parser() -> Parser:
+    parser = Parser(
         prog="asyncrunner bench",
         description=(
             "Play the same episodes with a bare step loop (one process), grid2op's Runner "
@@ -160,26 +160,26 @@ def _build_parser() -> _Parser:
         ),
     )
     parser.add_argument(
-        "--episodes", "-n", type=_count(1), default=6, metavar="N", help="episodes (default: 6)"
+        "--episodes", "-n", type=at_least(1), default=6, metavar="N", help="episodes (default: 6)"
     )
     parser.add_argument(
         "--workers",
         "-w",
-        type=_count(1),
+        type=at_least(1),
         default=2,
         metavar="N",
         help="AsyncRunner workers and grid2op nb_process (default: 2)",
     )
     parser.add_argument(
         "--max-iter",
-        type=_max_iter,
+        type=parse_max_iter,
         default=None,
         metavar="N",
         help="stop each episode after N steps (-1: no limit; default: the env's own)",
     )
     parser.add_argument(
         "--seed",
-        type=_count(0),
+        type=at_least(0),
         default=0,
         help="derive every episode's env and agent seeds from this one (default: 0)",
     )
@@ -209,14 +209,14 @@ def _build_parser() -> _Parser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``asyncrunner bench [options]``; returns the exit status."""
-    parser = _build_parser()
+    parser = build_parser()
     args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
     with warnings.catch_warnings():
-        for message in _QUIET:
+        for message in QUIET:
             warnings.filterwarnings("ignore", message=message)
         try:
             report = _bench(args)
-        except _UsageError as exc:
+        except UsageError as exc:
             parser.error(str(exc))
         except _BareLoopFailed as exc:
             print(exc.detail, file=sys.stderr, end="")
@@ -299,14 +299,14 @@ class _BareLoopFailed(Exception):
 
 
 def _bench(args: argparse.Namespace) -> dict[str, Any]:
-    from ._plan._arguments import chronic_names
+    from .._plan._arguments import chronic_names
 
     rss_start = _rss("VmRSS")
-    agent = _load_agent(args.agent)
-    env = _make_env(args.env, test=args.test, backend=args.backend)
+    agent = load_agent(args.agent)
+    env = make_env(args.env, test=args.test, backend=args.backend)
     try:
         names = chronic_names(env)
-        env_seeds, agent_seeds = _derive_seeds(args.seed, args.episodes)
+        env_seeds, agent_seeds = derive_seeds(args.seed, args.episodes)
         assert env_seeds is not None and agent_seeds is not None
         plan = _Plan(
             nb_episode=args.episodes,
@@ -326,7 +326,7 @@ def _bench(args: argparse.Namespace) -> dict[str, Any]:
             bare, bare_results = _bare_loop(env, agent, plan)
         except Exception as exc:
             raise _BareLoopFailed(
-                _one_line(f"{type(exc).__name__}: {exc}"), traceback.format_exc()
+                _first_line(f"{type(exc).__name__}: {exc}"), traceback.format_exc()
             ) from None
         report["bare_loop"] = bare.as_dict()
         g2op: _Timing | None = None
@@ -336,7 +336,7 @@ def _bench(args: argparse.Namespace) -> dict[str, Any]:
             try:
                 g2op, g2op_results = _grid2op(env, agent, plan)
             except Exception as exc:
-                errors["grid2op"] = _one_line(f"{type(exc).__name__}: {exc}")
+                errors["grid2op"] = _first_line(f"{type(exc).__name__}: {exc}")
         report["grid2op"] = None if g2op is None else g2op.as_dict()
         rss_before = _rss("VmRSS")
         hwm_reset = _reset_peak_rss()
@@ -354,7 +354,7 @@ def _bench(args: argparse.Namespace) -> dict[str, Any]:
             )
         except Exception as exc:
             leaf = _leaf(exc)
-            errors["asyncrunner"] = _one_line(f"{type(leaf).__name__}: {leaf}")
+            errors["asyncrunner"] = _first_line(f"{type(leaf).__name__}: {leaf}")
         rss_after = _rss("VmRSS")
         report["asyncrunner"] = {
             key: ours.get(key) for key in ("cold", "warm", "warm_no_sinks", "warm_all_sinks")
@@ -521,7 +521,7 @@ class _FirstSteps:
         self.by_worker: dict[int, float] = {}
 
     def __call__(self, event: Any) -> None:
-        from ._model import EpisodeStarted
+        from .._model import EpisodeStarted
 
         if isinstance(event, EpisodeStarted) and event.worker not in self.by_worker:
             self.by_worker[event.worker] = time.perf_counter() - self.start
@@ -543,8 +543,8 @@ async def _asyncrunner_runs(
     results: dict[str, list[tuple[str, int, float]]],
     probe_info: dict[str, Any],
 ) -> None:
-    from ._runner import AsyncRunner
-    from .sinks import CallbackSink
+    from .._runner import AsyncRunner
+    from ..sinks import CallbackSink
 
     probe = _LagProbe()
 
@@ -628,7 +628,7 @@ def _every_sink(tmp: str) -> tuple[list[Any], list[str]]:
 
     ``path_save`` adds the EpisodeDataWriter; returned names include both.
     """
-    from . import sinks
+    from .. import sinks
 
     extra: list[Any] = []
     names = ["EpisodeDataWriter"] if hasattr(sinks, "EpisodeDataWriter") else []
@@ -768,7 +768,7 @@ def _finite(value: float) -> float | None:
     return value if value == value and value not in (float("inf"), float("-inf")) else None
 
 
-def _one_line(text: str, limit: int = 300) -> str:
+def _first_line(text: str, limit: int = 300) -> str:
     """The first line of ``text`` (an error's message, not the traceback it may carry)."""
     lines = text.strip().splitlines()
     line = lines[0].strip() if lines else ""
