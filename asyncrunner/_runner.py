@@ -12,10 +12,9 @@ import os
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import replace
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal, TypedDict, Unpack
 
 import anyio
-import anyio.to_process
 from anyio.abc import AsyncResource
 
 from ._engine._central import CentralAgent, is_async_agent
@@ -34,9 +33,7 @@ from ._pools._process import ProcessPool
 from .sinks._base import Sink
 from .sinks._mix import OnlyMix
 
-__all__ = ["AsyncRunner"]
-
-T = TypeVar("T")
+__all__ = ["AsyncRunner", "RunOptions"]
 
 # Local workers are forked from this process where that is safe (Linux): a fresh interpreter
 # (anyio.to_process, used elsewhere) first spends about 2 s importing grid2op.
@@ -102,6 +99,29 @@ def agent_name(agent: Any) -> str:
     if not isinstance(agent, type) and not hasattr(agent, "__qualname__"):
         agent = type(agent)  # an instance, or a callable object
     return f"{getattr(agent, '__module__', '?')}.{getattr(agent, '__qualname__', '?')}"
+
+
+class RunOptions(TypedDict, total=False):
+    """The keyword arguments of ``AsyncRunner.run`` and ``AsyncRunner.stream`` (see ``run``).
+
+    Unset, each takes grid2op's Runner default: no ``path_save``, ``max_iter`` and seeds;
+    ``pbar=False``, ``sinks=()``, ``on_error="raise"``, no ``episode_timeout``, the runner's
+    ``retries``, ``resume=False``.
+    """
+
+    path_save: str | os.PathLike[str] | None
+    max_iter: int | None
+    pbar: Any
+    env_seeds: Sequence[int] | None
+    agent_seeds: Sequence[int] | None
+    episode_id: Sequence[int | str | tuple[str, int | str]] | None
+    init_states: Any
+    reset_options: Any
+    sinks: Sequence[Sink]
+    on_error: Literal["raise", "continue"]
+    episode_timeout: float | None
+    retries: int | None
+    resume: bool
 
 
 class AsyncRunner(AsyncResource):
@@ -262,25 +282,17 @@ class AsyncRunner(AsyncResource):
 
     # --- runs ----------------------------------------------------------------------------------
 
-    async def _prepare(
-        self,
-        nb_episode: int,
-        *,
-        path_save: str | os.PathLike[str] | None,
-        max_iter: int | None,
-        pbar: Any,
-        env_seeds: Sequence[int] | None,
-        agent_seeds: Sequence[int] | None,
-        episode_id: Sequence[int | str | tuple[str, int | str]] | None,
-        init_states: Any,
-        reset_options: Any,
-        sinks: Sequence[Sink],
-        on_error: str,
-        episode_timeout: float | None,
-        retries: int | None,
-        streaming: bool,
-        resume: bool = False,
-    ) -> Run:
+    async def _prepare(self, nb_episode: int, options: RunOptions, *, streaming: bool) -> Run:
+        unknown = sorted(set(options) - RunOptions.__optional_keys__)
+        if unknown:
+            call = "stream" if streaming else "run"
+            raise TypeError(f"{call}() got an unexpected keyword argument {unknown[0]!r}")
+        path_save = options.get("path_save")
+        pbar = options.get("pbar", False)
+        sinks = options.get("sinks", ())
+        on_error = options.get("on_error", "raise")
+        episode_timeout = options.get("episode_timeout")
+        retries = options.get("retries")
         self._check_open()
         if on_error not in ("raise", "continue"):
             raise ValueError(f'`on_error` must be "raise" or "continue", got {on_error!r}')
@@ -309,13 +321,13 @@ class AsyncRunner(AsyncResource):
             env_for=self._env_for,
             agent=self._agent_name,
             path_save=path_save,
-            resume=resume,
-            max_iter=max_iter,
-            env_seeds=env_seeds,
-            agent_seeds=agent_seeds,
-            episode_id=episode_id,
-            init_states=init_states,
-            reset_options=reset_options,
+            resume=options.get("resume", False),
+            max_iter=options.get("max_iter"),
+            env_seeds=options.get("env_seeds"),
+            agent_seeds=options.get("agent_seeds"),
+            episode_id=options.get("episode_id"),
+            init_states=options.get("init_states"),
+            reset_options=options.get("reset_options"),
         )
         requests, skipped, path_save = plan.requests, plan.skipped, plan.path_save
         all_sinks = [*self.sinks, *sinks]
@@ -336,7 +348,7 @@ class AsyncRunner(AsyncResource):
         detail = streaming or any(getattr(s, "needs_steps", True) for s in all_sinks)
         settings = RunSettings(
             sinks=all_sinks,
-            on_error=on_error,  # type: ignore[arg-type]  # a str here, checked "raise"/"continue" above
+            on_error=on_error,
             retries=retries,
             episode_timeout=episode_timeout,
             detail=detail,
@@ -352,20 +364,8 @@ class AsyncRunner(AsyncResource):
         self,
         nb_episode: int,
         *,
-        path_save: str | os.PathLike[str] | None = None,
-        max_iter: int | None = None,
-        pbar: Any = False,
-        env_seeds: Sequence[int] | None = None,
-        agent_seeds: Sequence[int] | None = None,
-        episode_id: Sequence[int | str | tuple[str, int | str]] | None = None,
-        init_states: Any = None,
-        reset_options: Any = None,
-        sinks: Sequence[Sink] = (),
-        on_error: Literal["raise", "continue"] = "raise",
-        episode_timeout: float | None = None,
-        retries: int | None = None,
-        resume: bool = False,
         add_detailed_output: bool | Literal["compact"] = False,
+        **options: Unpack[RunOptions],
     ) -> list[EpisodeResult]:
         """Play ``nb_episode`` episodes; returns one ``EpisodeResult`` each, in request order.
 
@@ -389,24 +389,8 @@ class AsyncRunner(AsyncResource):
             from .sinks._detail import DetailCollector
 
             collector = DetailCollector(self._env_for, compact=add_detailed_output == "compact")
-            sinks = [*sinks, collector]
-        run = await self._prepare(
-            nb_episode,
-            path_save=path_save,
-            max_iter=max_iter,
-            pbar=pbar,
-            env_seeds=env_seeds,
-            agent_seeds=agent_seeds,
-            episode_id=episode_id,
-            init_states=init_states,
-            reset_options=reset_options,
-            sinks=sinks,
-            on_error=on_error,
-            episode_timeout=episode_timeout,
-            retries=retries,
-            streaming=False,
-            resume=resume,
-        )
+            options = {**options, "sinks": [*options.get("sinks", ()), collector]}
+        run = await self._prepare(nb_episode, options, streaming=False)
         if collector is None:
             with _unwrapped():
                 return await run.execute()
@@ -421,44 +405,13 @@ class AsyncRunner(AsyncResource):
 
     @asynccontextmanager
     async def stream(
-        self,
-        nb_episode: int,
-        *,
-        path_save: str | os.PathLike[str] | None = None,
-        max_iter: int | None = None,
-        pbar: Any = False,
-        env_seeds: Sequence[int] | None = None,
-        agent_seeds: Sequence[int] | None = None,
-        episode_id: Sequence[int | str | tuple[str, int | str]] | None = None,
-        init_states: Any = None,
-        reset_options: Any = None,
-        sinks: Sequence[Sink] = (),
-        on_error: Literal["raise", "continue"] = "raise",
-        episode_timeout: float | None = None,
-        retries: int | None = None,
-        resume: bool = False,
+        self, nb_episode: int, **options: Unpack[RunOptions]
     ) -> AsyncIterator[AsyncIterator[Event]]:
         """Like ``run``, as an async context manager giving the events as they happen.
 
         Leaving the block early cancels what is left of the run.
         """
-        run = await self._prepare(
-            nb_episode,
-            path_save=path_save,
-            max_iter=max_iter,
-            pbar=pbar,
-            env_seeds=env_seeds,
-            agent_seeds=agent_seeds,
-            episode_id=episode_id,
-            init_states=init_states,
-            reset_options=reset_options,
-            sinks=sinks,
-            on_error=on_error,
-            episode_timeout=episode_timeout,
-            retries=retries,
-            streaming=True,
-            resume=resume,
-        )
+        run = await self._prepare(nb_episode, options, streaming=True)
         send, receive = anyio.create_memory_object_stream[Event](16)
 
         async def produce() -> None:
