@@ -186,6 +186,46 @@ class EpisodeResult:
         """Whether the episode was played to its end."""
         return self.error is None
 
+    @classmethod
+    def of_finished(cls, event: EpisodeFinished, *, mix: str | None = None) -> EpisodeResult:
+        """The result of an episode played to its end."""
+        return cls(
+            index=event.index,
+            chronics_path=event.chronics_path,
+            name=event.name,
+            cum_reward=event.cum_reward,
+            nb_time_step=event.nb_time_step,
+            max_ts=event.max_ts,
+            env_seed=event.env_seed,
+            agent_seed=event.agent_seed,
+            nb_highres_sim=event.nb_highres_sim,
+            mix=mix,
+        )
+
+    @classmethod
+    def of_failed(
+        cls,
+        failure: EpisodeFailed,
+        started: EpisodeStarted | None,
+        *,
+        env_seed: int | None,
+        agent_seed: int | None,
+        mix: str | None = None,
+    ) -> EpisodeResult:
+        """The result of a failed episode: its chronic and length from its last start, if any."""
+        return cls(
+            index=failure.index,
+            chronics_path=None if started is None else started.chronics_path,
+            name=None if started is None else started.name,
+            cum_reward=0.0,
+            nb_time_step=failure.step,
+            max_ts=0 if started is None else started.max_ts,
+            env_seed=env_seed,
+            agent_seed=agent_seed,
+            error=failure,
+            mix=mix,
+        )
+
     def as_tuple(self) -> tuple[str | None, str | None, float, int, int]:
         """grid2op's ``(chronics_path, name, cum_reward, nb_time_step, max_ts)``."""
         return (self.chronics_path, self.name, self.cum_reward, self.nb_time_step, self.max_ts)

@@ -406,33 +406,14 @@ class _Tracker(Sink):
                 self.first = time.perf_counter()
             self.started[event.index] = event
         elif isinstance(event, EpisodeFinished):
-            self.finished[event.index] = EpisodeResult(
-                index=event.index,
-                chronics_path=event.chronics_path,
-                name=event.name,
-                cum_reward=event.cum_reward,
-                nb_time_step=event.nb_time_step,
-                max_ts=event.max_ts,
-                env_seed=event.env_seed,
-                agent_seed=event.agent_seed,
-            )
+            self.finished[event.index] = EpisodeResult.of_finished(event)
 
     def failed_result(self, failure: EpisodeFailed, kwargs: dict[str, Any]) -> EpisodeResult:
         started = self.started.get(failure.index)
         seeds = [
             kwargs[k][failure.index] if kwargs[k] else None for k in ("env_seeds", "agent_seeds")
         ]
-        return EpisodeResult(
-            index=failure.index,
-            chronics_path=None if started is None else started.chronics_path,
-            name=None if started is None else started.name,
-            cum_reward=0.0,
-            nb_time_step=failure.step,
-            max_ts=0 if started is None else started.max_ts,
-            env_seed=seeds[0],
-            agent_seed=seeds[1],
-            error=failure,
-        )
+        return EpisodeResult.of_failed(failure, started, env_seed=seeds[0], agent_seed=seeds[1])
 
 
 def _episode_id(text: str, names: list[str] | None) -> int | str:

@@ -192,34 +192,18 @@ class Run:
             self._last_step[key] = event.first_step + len(event) - 1
         elif isinstance(event, EpisodeFinished):
             self._closed.add(key)
-            self.results[event.index] = EpisodeResult(
-                index=event.index,
-                chronics_path=event.chronics_path,
-                name=event.name,
-                cum_reward=event.cum_reward,
-                nb_time_step=event.nb_time_step,
-                max_ts=event.max_ts,
-                env_seed=event.env_seed,
-                agent_seed=event.agent_seed,
-                nb_highres_sim=event.nb_highres_sim,
-                mix=self._by_index[event.index].mix,
-            )
+            mix = self._by_index[event.index].mix
+            self.results[event.index] = EpisodeResult.of_finished(event, mix=mix)
             self._remaining -= 1
         elif isinstance(event, EpisodeFailed):
             self._closed.add(key)
             if not event.retrying:
                 request = self._by_index[event.index]
-                started = self._started.get(event.index)
-                self.results[event.index] = EpisodeResult(
-                    index=event.index,
-                    chronics_path=None if started is None else started.chronics_path,
-                    name=None if started is None else started.name,
-                    cum_reward=0.0,
-                    nb_time_step=event.step,
-                    max_ts=0 if started is None else started.max_ts,
+                self.results[event.index] = EpisodeResult.of_failed(
+                    event,
+                    self._started.get(event.index),
                     env_seed=request.env_seed,
                     agent_seed=request.agent_seed,
-                    error=event,
                     mix=request.mix,
                 )
                 self._remaining -= 1
