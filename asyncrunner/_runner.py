@@ -20,7 +20,8 @@ from anyio.abc import AsyncResource
 from ._engine._central import CentralAgent, is_async_agent
 from ._engine._dispatch import Run, RunSettings
 from ._engine._pool import WorkerPool
-from ._engine._worker import Recipe, dumps, warm
+from ._engine._recipe import Recipe, dumps
+from ._engine._worker import warm
 from ._exceptions import AsyncRunnerError, EpisodeError, leaves
 from ._model import EpisodeResult, Event
 from ._plan._arguments import chronic_names

@@ -34,7 +34,7 @@ from ..sinks._base import Sink
 from ._central import CentralAgent, serving
 from ._channel import Channel, open_channel
 from ._pool import WorkerDied, WorkerPool
-from ._worker import EpisodeJob
+from ._recipe import EpisodeJob
 
 __all__ = ["Run", "RunSettings"]
 

@@ -17,7 +17,8 @@ from anyio.abc import TaskGroup
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from ._channel import ChannelClosed
-from ._worker import EpisodeJob, run_episode, run_episodes
+from ._recipe import EpisodeJob
+from ._worker import run_episode, run_episodes
 
 __all__ = ["WorkerDied", "WorkerPool"]
 

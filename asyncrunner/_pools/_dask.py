@@ -32,7 +32,8 @@ import anyio.to_thread
 
 from .._engine import _channel
 from .._engine._pool import WorkerPool
-from .._engine._worker import EpisodeJob, run_episode
+from .._engine._recipe import EpisodeJob
+from .._engine._worker import run_episode
 
 __all__ = ["DaskExecutor", "DaskPool", "WorkerLost", "as_dask"]
 

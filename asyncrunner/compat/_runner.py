@@ -68,7 +68,7 @@ from grid2op.Action import BaseAction
 from grid2op.Exceptions import ChronicsError, EnvError, Grid2OpException
 from grid2op.Runner import Runner as _GridRunner
 
-from .._engine._worker import dumps
+from .._engine._recipe import dumps
 from .._model import EpisodeResult, EpisodeStarted, Event, StepBatch
 from .._plan._arguments import MAX_ENV_SEED, chronic_names
 from .._runner import AsyncRunner
