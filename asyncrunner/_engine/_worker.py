@@ -276,34 +276,7 @@ def _play_on(job: EpisodeJob, env: Any, cached: _Cached, send: Any) -> int:
     agent.reset(obs)
     chronics = env.chronics_handler
     max_ts = max(chronics.max_timestep(), 0)
-    send(
-        EpisodeStarted(
-            run_id=job.run_id,
-            index=job.index,
-            attempt=job.attempt,
-            chronics_path=str(chronics.get_id()),
-            name=str(chronics.get_name()),
-            max_ts=int(max_ts),
-            env_seed=job.env_seed,
-            agent_seed=job.agent_seed,
-            worker=os.getpid(),
-            env_builds=_BUILDS,
-            observation=obs.to_vect() if job.detail else np.empty(0, dtype=dt_float),
-            parameters=env.parameters.to_dict(),
-            meta={
-                "chronics_max_timestep": str(chronics.max_timestep()),
-                "grid_path": str(env._init_grid_path),
-                "backend_type": type(env.backend).__name__,
-                "env_type": type(env).__name__,
-            },
-            other_reward_names=names,
-            episode_id=job.episode_id,
-            max_iter=job.max_iter,
-            max_episode_duration=int(env.max_episode_duration()),
-            action_space_seed=env.action_space.seed_used,
-            mix=job.mix,
-        )
-    )
+    send(_started(job, env, obs, names, max_ts))
     batch = Batcher(job, env, len(names), send)
     can_skip = type(env).CAN_SKIP_TS
     time_step = 0
@@ -344,31 +317,76 @@ def _play_on(job: EpisodeJob, env: Any, cached: _Cached, send: Any) -> int:
         raise
     end_ = time.perf_counter()
     batch.flush()
-    send(
-        EpisodeFinished(
-            run_id=job.run_id,
-            index=job.index,
-            attempt=job.attempt,
-            chronics_path=str(chronics.get_id()),
-            name=str(chronics.get_name()),
-            cum_reward=float(cum_reward),
-            nb_time_step=int(time_step),
-            max_ts=int(max_ts),
-            env_seed=job.env_seed,
-            agent_seed=job.agent_seed,
-            nb_highres_sim=int(env.nb_highres_called),
-            times={
-                "Env": {
-                    "total": float(
-                        env._time_apply_act + env._time_powerflow + env._time_extract_obs
-                    ),
-                    "apply_act": float(env._time_apply_act),
-                    "powerflow_computation": float(env._time_powerflow),
-                    "observation_computation": float(env._time_extract_obs),
-                },
-                "Agent": {"total": float(time_act)},
-                "total": float(end_ - beg_),
-            },
-        )
-    )
+    send(_finished(job, env, cum_reward, time_step, max_ts, time_act, end_ - beg_))
     return time_step
+
+
+def _started(
+    job: EpisodeJob, env: Any, obs: Any, names: tuple[str, ...], max_ts: int
+) -> EpisodeStarted:
+    """The start of an episode just reset: what grid2op's EpisodeData records of it."""
+    from grid2op.dtypes import dt_float
+
+    chronics = env.chronics_handler
+    return EpisodeStarted(
+        run_id=job.run_id,
+        index=job.index,
+        attempt=job.attempt,
+        chronics_path=str(chronics.get_id()),
+        name=str(chronics.get_name()),
+        max_ts=int(max_ts),
+        env_seed=job.env_seed,
+        agent_seed=job.agent_seed,
+        worker=os.getpid(),
+        env_builds=_BUILDS,
+        observation=obs.to_vect() if job.detail else np.empty(0, dtype=dt_float),
+        parameters=env.parameters.to_dict(),
+        meta={
+            "chronics_max_timestep": str(chronics.max_timestep()),
+            "grid_path": str(env._init_grid_path),
+            "backend_type": type(env.backend).__name__,
+            "env_type": type(env).__name__,
+        },
+        other_reward_names=names,
+        episode_id=job.episode_id,
+        max_iter=job.max_iter,
+        max_episode_duration=int(env.max_episode_duration()),
+        action_space_seed=env.action_space.seed_used,
+        mix=job.mix,
+    )
+
+
+def _finished(
+    job: EpisodeJob,
+    env: Any,
+    cum_reward: Any,
+    time_step: int,
+    max_ts: int,
+    time_act: float,
+    total: float,
+) -> EpisodeFinished:
+    """The end of an episode played: grid2op's ``episode_times.json`` among it."""
+    chronics = env.chronics_handler
+    return EpisodeFinished(
+        run_id=job.run_id,
+        index=job.index,
+        attempt=job.attempt,
+        chronics_path=str(chronics.get_id()),
+        name=str(chronics.get_name()),
+        cum_reward=float(cum_reward),
+        nb_time_step=int(time_step),
+        max_ts=int(max_ts),
+        env_seed=job.env_seed,
+        agent_seed=job.agent_seed,
+        nb_highres_sim=int(env.nb_highres_called),
+        times={
+            "Env": {
+                "total": float(env._time_apply_act + env._time_powerflow + env._time_extract_obs),
+                "apply_act": float(env._time_apply_act),
+                "powerflow_computation": float(env._time_powerflow),
+                "observation_computation": float(env._time_extract_obs),
+            },
+            "Agent": {"total": float(time_act)},
+            "total": float(total),
+        },
+    )
