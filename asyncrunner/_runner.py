@@ -346,7 +346,7 @@ class AsyncRunner(AsyncResource):
             from .sinks import ProgressBar
 
             all_sinks.append(ProgressBar(pbar))
-        detail = streaming or any(getattr(s, "needs_steps", True) for s in all_sinks)
+        detail = streaming or any(s.needs_steps for s in all_sinks)
         settings = RunSettings(
             sinks=all_sinks,
             on_error=on_error,

@@ -29,7 +29,7 @@ from asyncrunner._model import (
     StepBatch,
 )
 from asyncrunner.sinks import CallbackSink, CompactEpisodeWriter, EpisodeDataWriter
-from asyncrunner.sinks._episode_data import TMP_PREFIX
+from asyncrunner.sinks._writer import TMP_PREFIX
 
 from .helpers import BOTH_LOOPS
 

@@ -27,7 +27,7 @@ from asyncrunner import AsyncRunner, EpisodeError, EpisodeStarted, Event, SinkEr
 from asyncrunner._plan._layout import BROKEN_FOLDER, RECORD_FILE
 from asyncrunner.compat import Runner as CompatRunner
 from asyncrunner.sinks import CallbackSink, CompactEpisodeWriter, EpisodeDataWriter
-from asyncrunner.sinks._episode_data import TMP_PREFIX
+from asyncrunner.sinks._writer import TMP_PREFIX
 
 from .conftest import make_env
 

@@ -75,6 +75,8 @@ from ._common import (
     parse_max_iter,
 )
 
+__all__ = ["main"]
+
 _MB = 1024 * 1024
 
 

@@ -146,7 +146,7 @@ class Run:
     def _with_paths(self, results: list[EpisodeResult]) -> list[EpisodeResult]:
         paths: dict[int, str] = {}
         for sink in self.sinks:
-            paths.update(getattr(sink, "paths", {}))
+            paths.update(sink.saved)
         return [replace(r, path=paths.get(r.index, r.path)) for r in results]
 
     async def _dispatch_and_collect(

@@ -17,16 +17,14 @@ class OnlyMix(Sink):
         self.sink = sink
         self.mix = mix
         self._mix_of = mix_of
-        self.needs_steps = getattr(sink, "needs_steps", True)
+        self.needs_steps = sink.needs_steps
 
     def __repr__(self) -> str:
         return f"OnlyMix({self.sink!r}, {self.mix!r})"
 
     @property
-    def paths(self) -> dict[int, str]:
-        """The wrapped sink's saved paths (by request index), if it has any."""
-        paths: dict[int, str] = getattr(self.sink, "paths", {})
-        return paths
+    def saved(self) -> Mapping[int, str]:
+        return self.sink.saved
 
     async def send(self, event: Event) -> None:
         index = getattr(event, "index", None)
