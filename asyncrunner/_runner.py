@@ -3,10 +3,6 @@
 from __future__ import annotations
 
 import concurrent.futures
-import copy
-import functools
-import hashlib
-import inspect
 import numbers
 import os
 from collections.abc import AsyncIterator, Sequence
@@ -17,15 +13,15 @@ from typing import Any, Literal, TypedDict, Unpack
 import anyio
 from anyio.abc import AsyncResource
 
-from ._engine._central import CentralAgent, is_async_agent
+from ._engine._central import CentralAgent
 from ._engine._dispatch import Run, RunSettings
 from ._engine._pool import WorkerPool
-from ._engine._recipe import Recipe, dumps
+from ._engine._recipe import agent_name, agent_recipe, recipes
 from ._engine._worker import warm
 from ._exceptions import AsyncRunnerError, EpisodeError, leaves
 from ._model import EpisodeResult, Event
 from ._plan._arguments import chronic_names
-from ._plan._mixes import mixes_of, runner_params
+from ._plan._mixes import mixes_of
 from ._plan._planner import plan_run
 from ._pools._dask import DaskPool, as_dask
 from ._pools._executor import ExecutorPool
@@ -42,64 +38,6 @@ _FORK = available()
 # Local worker processes allowed per CPU: more cannot be meant (each holds an env; 10,000 forked
 # until memory ran out). Agents that wait rather than compute have CentralAgent(envs_per_worker=).
 _WORKERS_PER_CPU = 64
-
-
-def _agent_recipe(agent: Any) -> tuple[str, Any]:
-    from grid2op.Agent import BaseAgent
-
-    if isinstance(agent, CentralAgent):
-        return "central", None  # the workers only step envs (see _central)
-    if is_async_agent(agent):
-        raise TypeError(
-            f"agent {agent!r} has an async act: it runs on the event loop, not in a worker; "
-            "pass agent=asyncrunner.CentralAgent(agent)"
-        )
-    if isinstance(agent, type):
-        if not issubclass(agent, BaseAgent):
-            raise TypeError(
-                f"agent class {agent.__qualname__} is not a grid2op BaseAgent subclass: "
-                "derive it from grid2op.Agent.BaseAgent, or pass a factory (action_space) -> agent"
-            )
-        if inspect.isabstract(agent):
-            # It would be built, and fail, in every episode.
-            missing = ", ".join(sorted(getattr(agent, "__abstractmethods__", ())))
-            raise TypeError(
-                f"agent class {agent.__qualname__} is abstract (it does not define {missing}): "
-                "pass a concrete agent such as DoNothingAgent, or a subclass that defines it"
-            )
-        return "class", agent
-    if isinstance(agent, BaseAgent):
-        try:
-            copy.copy(agent)  # each episode plays a copy (_worker._Cached.new_agent)
-        except Exception as exc:
-            raise TypeError(
-                f"agent {agent!r} cannot be copied ({type(exc).__name__}: {exc}), and each "
-                "episode plays a copy of an agent instance: pass its class or a factory "
-                "(action_space) -> agent (asyncrunner.compat.Runner plays such an instance "
-                "itself, in this process, as grid2op's Runner does)"
-            ) from exc
-        return "instance", agent
-    if callable(agent):
-        return "factory", agent
-    raise TypeError(
-        f"agent must be a BaseAgent subclass, a BaseAgent instance or a callable "
-        f"(action_space) -> BaseAgent, got {type(agent).__name__}"
-    )
-
-
-def agent_name(agent: Any) -> str:
-    """A stable name for the agent recipe, recorded with saved episodes (``resume`` matches it).
-
-    The class's (or factory's) qualified name: instances of one class, or two factories built
-    from one function, share it whatever their parameters or weights.
-    """
-    if isinstance(agent, CentralAgent):
-        return agent_name(agent.agent)
-    if isinstance(agent, functools.partial):
-        return agent_name(agent.func)
-    if not isinstance(agent, type) and not hasattr(agent, "__qualname__"):
-        agent = type(agent)  # an instance, or a callable object
-    return f"{getattr(agent, '__module__', '?')}.{getattr(agent, '__qualname__', '?')}"
 
 
 class RunOptions(TypedDict, total=False):
@@ -177,34 +115,14 @@ class AsyncRunner(AsyncResource):
             )
         if isinstance(retries, bool) or not isinstance(retries, int) or retries < 0:
             raise ValueError(f"`retries` must be an integer >= 0, got {retries!r}")
-        kind, payload = _agent_recipe(agent)
+        kind, payload = agent_recipe(agent)
         self._agent_name = agent_name(agent)
         # A MultiMixEnvironment: one recipe per mix (each mix is an env of its own for grid2op).
         self._mixes = mixes_of(env)
-        sources = {None: env} if self._mixes is None else self._mixes
-        self._recipes: dict[str | None, tuple[str, bytes]] = {}
-        for mix, source in sources.items():
-            params = runner_params(source)
-            try:
-                dumps(params)
-            except Exception as exc:
-                raise TypeError(
-                    "the env cannot be sent to worker processes: its get_params_for_runner() "
-                    f"cannot be pickled ({type(exc).__name__}: {exc})"
-                ) from exc
-            # A mix's env uses the classes grid2op made from the first mix: send them along.
-            mixed = params.get("_overload_name_multimix") is not None
-            classes = (type(source.backend),) if mixed else ()
-            recipe = Recipe(params=params, agent_kind=kind, agent=payload, classes=classes)
-            try:
-                blob = dumps(recipe)
-            except Exception as exc:
-                raise TypeError(
-                    f"the agent {agent!r} cannot be sent to worker processes because it cannot be "
-                    f"pickled ({type(exc).__name__}: {exc}); pass its class, or a factory "
-                    "(action_space) -> agent"
-                ) from exc
-            self._recipes[mix] = (hashlib.blake2b(blob, digest_size=16).hexdigest(), blob)
+        sources: dict[str | None, Any] = {None: env}
+        if self._mixes is not None:
+            sources = dict(self._mixes.items())
+        self._recipes = recipes(sources, agent, kind, payload)
         # The first (or only) recipe: the env the workers build while warming up.
         self._recipe_key, self._recipe_bytes = next(iter(self._recipes.values()))
         self.env = env

@@ -75,7 +75,7 @@ def derive_seeds(seed: int | None, nb: int) -> tuple[list[int] | None, list[int]
 
 def load_agent(spec: str) -> Any:
     """``module:Name``, ``path/to/file.py:Name``, or a name from ``grid2op.Agent``."""
-    from .._runner import _agent_recipe
+    from .._engine._recipe import agent_recipe
 
     if ":" not in spec:
         import grid2op.Agent
@@ -97,7 +97,7 @@ def load_agent(spec: str) -> Any:
             if agent is None:
                 raise UsageError(f"--agent {spec!r}: {where} has no attribute {attr!r}")
     try:
-        _agent_recipe(agent)  # the runner's own checks (a BaseAgent subclass, not abstract, ...)
+        agent_recipe(agent)  # the runner's own checks (a BaseAgent subclass, not abstract, ...)
     except TypeError as exc:
         raise UsageError(f"--agent {spec!r}: {exc}") from None
     return agent
