@@ -19,7 +19,7 @@ from ._model import (
     StepBatch,
 )
 from ._runner import AsyncRunner
-from ._score import ScenarioScore, ScoreResult, score
+from ._score._scoring import ScenarioScore, ScoreResult, score
 
 __all__ = [
     "AsyncRunner",

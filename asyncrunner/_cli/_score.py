@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from .._exceptions import EpisodeError
-from .._score import COMPETITIONS, ScoreResult, score
+from .._score._scoring import COMPETITIONS, ScoreResult, score
 from ._common import (
     DEFAULT_ENV,
     QUIET,
