@@ -6,20 +6,20 @@ async with AsyncRunner(env, agent=DoNothingAgent, workers=2) as runner:
 
 from __future__ import annotations
 
-from ._central import CentralAgent
-from ._events import (
+from ._engine._central import CentralAgent
+from ._exceptions import AsyncRunnerError, EpisodeError, SinkError, WorkerChannelError
+from ._model import (
     EpisodeFailed,
     EpisodeFinished,
+    EpisodeResult,
     EpisodeStarted,
     Event,
     RunFinished,
     RunStarted,
     StepBatch,
 )
-from ._exceptions import AsyncRunnerError, EpisodeError, SinkError, WorkerChannelError
-from ._results import EpisodeResult
 from ._runner import AsyncRunner
-from ._score import ScenarioScore, ScoreResult, score
+from ._score._scoring import ScenarioScore, ScoreResult, score
 
 __all__ = [
     "AsyncRunner",

@@ -14,8 +14,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from ._events import EpisodeFailed
-    from ._results import EpisodeResult
+    from ._model import EpisodeFailed, EpisodeResult
 
 __all__ = ["AsyncRunnerError", "EpisodeError", "SinkError", "WorkerChannelError"]
 

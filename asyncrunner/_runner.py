@@ -3,41 +3,35 @@
 from __future__ import annotations
 
 import concurrent.futures
-import copy
-import functools
-import hashlib
-import inspect
 import numbers
 import os
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import replace
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal, TypedDict, Unpack
 
 import anyio
-import anyio.to_process
-from anyio.abc import AsyncResource, Process, TaskGroup
-from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+from anyio.abc import AsyncResource
 
-from ._central import CentralAgent, is_async_agent
-from ._channel import Channel
-from ._dask import as_dask
-from ._events import Event
+from ._engine._central import CentralAgent
+from ._engine._dispatch import Run, RunSettings
+from ._engine._pool import WorkerPool
+from ._engine._recipe import agent_name, agent_recipe, recipes
+from ._engine._worker import warm
 from ._exceptions import AsyncRunnerError, EpisodeError, leaves
-from ._forkpool import ForkPool, available
-from ._multimix import OnlyMix, mixes_of, plan_mixes, resume_mixes, runner_params
-from ._plan import check_path_save, check_with_env, chronic_names, plan_episodes
-from ._results import EpisodeResult
-from ._run import Run
-from ._worker import Recipe, dumps, warm
+from ._model import EpisodeResult, Event
+from ._plan._arguments import chronic_names
+from ._plan._mixes import mixes_of
+from ._plan._planner import plan_run
+from ._pools._dask import DaskPool, as_dask
+from ._pools._executor import ExecutorPool
+from ._pools._fork import ForkPool, available
+from ._pools._process import ProcessPool
 from .sinks._base import Sink
+from .sinks._mix import OnlyMix
 
-__all__ = ["AsyncRunner"]
+__all__ = ["AsyncRunner", "RunOptions"]
 
-T = TypeVar("T")
-
-# Seconds an idle worker gets to exit on its own when the runner closes.
-_STOP_GRACE = 5.0
 # Local workers are forked from this process where that is safe (Linux): a fresh interpreter
 # (anyio.to_process, used elsewhere) first spends about 2 s importing grid2op.
 _FORK = available()
@@ -46,62 +40,27 @@ _FORK = available()
 _WORKERS_PER_CPU = 64
 
 
-def _agent_recipe(agent: Any) -> tuple[str, Any]:
-    from grid2op.Agent import BaseAgent
+class RunOptions(TypedDict, total=False):
+    """The keyword arguments of ``AsyncRunner.run`` and ``AsyncRunner.stream`` (see ``run``).
 
-    if isinstance(agent, CentralAgent):
-        return "central", None  # the workers only step envs (see _central)
-    if is_async_agent(agent):
-        raise TypeError(
-            f"agent {agent!r} has an async act: it runs on the event loop, not in a worker; "
-            "pass agent=asyncrunner.CentralAgent(agent)"
-        )
-    if isinstance(agent, type):
-        if not issubclass(agent, BaseAgent):
-            raise TypeError(
-                f"agent class {agent.__qualname__} is not a grid2op BaseAgent subclass: "
-                "derive it from grid2op.Agent.BaseAgent, or pass a factory (action_space) -> agent"
-            )
-        if inspect.isabstract(agent):
-            # It would be built, and fail, in every episode.
-            missing = ", ".join(sorted(getattr(agent, "__abstractmethods__", ())))
-            raise TypeError(
-                f"agent class {agent.__qualname__} is abstract (it does not define {missing}): "
-                "pass a concrete agent such as DoNothingAgent, or a subclass that defines it"
-            )
-        return "class", agent
-    if isinstance(agent, BaseAgent):
-        try:
-            copy.copy(agent)  # each episode plays a copy (_worker._Cached.new_agent)
-        except Exception as exc:
-            raise TypeError(
-                f"agent {agent!r} cannot be copied ({type(exc).__name__}: {exc}), and each "
-                "episode plays a copy of an agent instance: pass its class or a factory "
-                "(action_space) -> agent (asyncrunner.compat.Runner plays such an instance "
-                "itself, in this process, as grid2op's Runner does)"
-            ) from exc
-        return "instance", agent
-    if callable(agent):
-        return "factory", agent
-    raise TypeError(
-        f"agent must be a BaseAgent subclass, a BaseAgent instance or a callable "
-        f"(action_space) -> BaseAgent, got {type(agent).__name__}"
-    )
-
-
-def agent_name(agent: Any) -> str:
-    """A stable name for the agent recipe, recorded with saved episodes (``resume`` matches it).
-
-    The class's (or factory's) qualified name: instances of one class, or two factories built
-    from one function, share it whatever their parameters or weights.
+    Unset, each takes grid2op's Runner default: no ``path_save``, ``max_iter`` and seeds;
+    ``pbar=False``, ``sinks=()``, ``on_error="raise"``, no ``episode_timeout``, the runner's
+    ``retries``, ``resume=False``.
     """
-    if isinstance(agent, CentralAgent):
-        return agent_name(agent.agent)
-    if isinstance(agent, functools.partial):
-        return agent_name(agent.func)
-    if not isinstance(agent, type) and not hasattr(agent, "__qualname__"):
-        agent = type(agent)  # an instance, or a callable object
-    return f"{getattr(agent, '__module__', '?')}.{getattr(agent, '__qualname__', '?')}"
+
+    path_save: str | os.PathLike[str] | None
+    max_iter: int | None
+    pbar: Any
+    env_seeds: Sequence[int] | None
+    agent_seeds: Sequence[int] | None
+    episode_id: Sequence[int | str | tuple[str, int | str]] | None
+    init_states: Any
+    reset_options: Any
+    sinks: Sequence[Sink]
+    on_error: Literal["raise", "continue"]
+    episode_timeout: float | None
+    retries: int | None
+    resume: bool
 
 
 class AsyncRunner(AsyncResource):
@@ -156,34 +115,14 @@ class AsyncRunner(AsyncResource):
             )
         if isinstance(retries, bool) or not isinstance(retries, int) or retries < 0:
             raise ValueError(f"`retries` must be an integer >= 0, got {retries!r}")
-        kind, payload = _agent_recipe(agent)
+        kind, payload = agent_recipe(agent)
         self._agent_name = agent_name(agent)
         # A MultiMixEnvironment: one recipe per mix (each mix is an env of its own for grid2op).
         self._mixes = mixes_of(env)
-        sources = {None: env} if self._mixes is None else self._mixes
-        self._recipes: dict[str | None, tuple[str, bytes]] = {}
-        for mix, source in sources.items():
-            params = runner_params(source)
-            try:
-                dumps(params)
-            except Exception as exc:
-                raise TypeError(
-                    "the env cannot be sent to worker processes: its get_params_for_runner() "
-                    f"cannot be pickled ({type(exc).__name__}: {exc})"
-                ) from exc
-            # A mix's env uses the classes grid2op made from the first mix: send them along.
-            mixed = params.get("_overload_name_multimix") is not None
-            classes = (type(source.backend),) if mixed else ()
-            recipe = Recipe(params=params, agent_kind=kind, agent=payload, classes=classes)
-            try:
-                blob = dumps(recipe)
-            except Exception as exc:
-                raise TypeError(
-                    f"the agent {agent!r} cannot be sent to worker processes because it cannot be "
-                    f"pickled ({type(exc).__name__}: {exc}); pass its class, or a factory "
-                    "(action_space) -> agent"
-                ) from exc
-            self._recipes[mix] = (hashlib.blake2b(blob, digest_size=16).hexdigest(), blob)
+        sources: dict[str | None, Any] = {None: env}
+        if self._mixes is not None:
+            sources = dict(self._mixes.items())
+        self._recipes = recipes(sources, agent, kind, payload)
         # The first (or only) recipe: the env the workers build while warming up.
         self._recipe_key, self._recipe_bytes = next(iter(self._recipes.values()))
         self.env = env
@@ -192,20 +131,10 @@ class AsyncRunner(AsyncResource):
         self.sinks = tuple(sinks)
         self.retries = retries
         self._central = agent if isinstance(agent, CentralAgent) else None
-        self._names = chronic_names(env)
-        self._mix_names = (
-            None if self._mixes is None else {m: chronic_names(e) for m, e in self._mixes.items()}
-        )
+        # Each mix's chronic names; a single env is the mix None.
+        self._names = {mix: chronic_names(source) for mix, source in sources.items()}
         self._space_dicts: dict[str, Any] | None = None
-        self._limiter: anyio.CapacityLimiter | None = None
-        self._waits: anyio.CapacityLimiter | None = None
-        self._pool: ForkPool | None = None
-        self._pids: set[int] = set()
-        self._warm_group: TaskGroup | None = None
-        # Warm-up workers not yet promised to a call, and their "ready" signals.
-        self._warm_left = 0
-        self._warm_send: MemoryObjectSendStream[None] | None = None
-        self._warm_ready: MemoryObjectReceiveStream[None] | None = None
+        self._pool: WorkerPool | None = None
         self._closed = False
 
     # --- the pool ------------------------------------------------------------------------------
@@ -215,66 +144,37 @@ class AsyncRunner(AsyncResource):
         # Start the workers and build their envs now, while the caller prepares its first run.
         # No more than the CPUs: more would not be ready sooner, and a run of fewer episodes
         # would not use them. A run's first calls take these workers as they become ready
-        # rather than start more processes (see _call).
+        # rather than start more processes (see WorkerPool.warm_up).
         count = min(self.workers, os.cpu_count() or 1)
-        self._warm_left = count
-        self._warm_send, self._warm_ready = anyio.create_memory_object_stream[None](count)
-        self._warm_group = anyio.create_task_group()
-        await self._warm_group.__aenter__()
-        for _ in range(count):
-            self._warm_group.start_soon(self._warm_one, self._warm_send)
+        await self._get_pool().warm_up(count, warm, self._recipe_key, self._recipe_bytes)
         return self
-
-    async def _warm_one(self, ready: MemoryObjectSendStream[None]) -> None:
-        try:
-            self._pids.add(await self._submit(warm, self._recipe_key, self._recipe_bytes))
-        except Exception:
-            pass  # the first episode on this worker reports the same error, with its context
-        finally:
-            ready.send_nowait(None)  # its worker is free (or gone), even when cancelled
 
     async def aclose(self) -> None:
         """Stop the warm-up, then the worker processes this runner used (idle ones)."""
         if self._closed:
             return
         self._closed = True
-        group, self._warm_group = self._warm_group, None
-        if group is not None:
-            group.cancel_scope.cancel()
-            await group.__aexit__(None, None, None)
-        for stream in (self._warm_send, self._warm_ready):
-            if stream is not None:
-                stream.close()
-        with anyio.CancelScope(shield=True):
-            await self._stop_workers()
-
-    async def _stop_workers(self) -> None:
-        if self._dask is not None:
-            await self._dask.aclose()  # a client or cluster it opened (yours stays open)
-            return
-        if self.executor is not None:
-            return  # the caller's executor: theirs to shut down
         if self._pool is not None:
             await self._pool.aclose()
-            return
-        # anyio keeps its process pool per event loop and has no public way to stop it; we stop
-        # the idle processes that served this runner so none outlives it.
-        try:
-            workers = anyio.to_process._process_pool_workers.get()
-            idle = anyio.to_process._process_pool_idle_workers.get()
-        except LookupError:
-            return
-        mine = [entry for entry in idle if entry[0].pid in self._pids]
-        for entry in mine:
-            idle.remove(entry)
-            workers.discard(entry[0])
-        async with anyio.create_task_group() as group:
-            for process, _ in mine:
-                group.start_soon(_stop_process, process)
 
-    def _recipe_for(self, mix: str | None) -> tuple[str, bytes]:
-        """The recipe (key, pickled) of the env that plays episodes of ``mix``."""
-        return self._recipes[mix]
+    @property
+    def _pids(self) -> set[int]:
+        """The pids of the workers that served this runner (none until a call starts one)."""
+        return set() if self._pool is None else self._pool.served
+
+    def _get_pool(self) -> WorkerPool:
+        """The pool of this runner, made on first use (its limiter needs the event loop)."""
+        if self._pool is None:
+            limiter = anyio.CapacityLimiter(self.workers)
+            if self._dask is not None:
+                self._pool = DaskPool(self._dask, limiter)
+            elif self.executor is not None:
+                self._pool = ExecutorPool(self.executor, limiter)
+            elif _FORK:
+                self._pool = ForkPool(limiter)
+            else:
+                self._pool = ProcessPool(limiter)
+        return self._pool
 
     def _env_for(self, mix: str | None) -> Any:
         """The parent's env (or mix) behind episodes of ``mix``."""
@@ -283,42 +183,6 @@ class AsyncRunner(AsyncResource):
     def _check_open(self) -> None:
         if self._closed:
             raise AsyncRunnerError("this AsyncRunner is closed: create a new one")
-
-    def _watch(self, channel: Channel) -> None:
-        # Remember which processes served us (they say so when they connect).
-        channel.pids = self._pids
-
-    async def _call(self, fn: Callable[..., T], *args: Any) -> T:
-        if self._warm_left and self._warm_ready is not None:
-            self._warm_left -= 1
-            await self._warm_ready.receive()  # a warm-up call ended: its worker is idle
-        return await self._submit(fn, *args)
-
-    async def _submit(self, fn: Callable[..., T], *args: Any) -> T:
-        if self._limiter is None:
-            self._limiter = anyio.CapacityLimiter(self.workers)
-            # Threads waiting for an executor's future, one per episode playing: never from
-            # anyio's default pool, which the sinks need to finish (see _forkpool).
-            self._waits = anyio.CapacityLimiter(self.workers)
-        if self._dask is not None:
-            async with self._limiter:
-                return await self._dask.call(fn, *args)
-        if self.executor is None and _FORK:
-            if self._pool is None:
-                self._pool = ForkPool(self._limiter)
-            return await self._pool.call(fn, *args)
-        if self.executor is None:
-            return await anyio.to_process.run_sync(
-                fn, *args, cancellable=True, limiter=self._limiter
-            )
-        async with self._limiter:
-            future = self.executor.submit(fn, *args)
-            try:
-                return await anyio.to_thread.run_sync(
-                    future.result, abandon_on_cancel=True, limiter=self._waits
-                )
-            finally:
-                future.cancel()
 
     async def _spaces(self) -> dict[str, Any]:
         if self._space_dicts is None:
@@ -337,48 +201,18 @@ class AsyncRunner(AsyncResource):
 
     # --- runs ----------------------------------------------------------------------------------
 
-    async def _prepare(
-        self,
-        nb_episode: int,
-        *,
-        path_save: str | os.PathLike[str] | None,
-        max_iter: int | None,
-        pbar: Any,
-        env_seeds: Sequence[int] | None,
-        agent_seeds: Sequence[int] | None,
-        episode_id: Sequence[int | str | tuple[str, int | str]] | None,
-        init_states: Any,
-        reset_options: Any,
-        sinks: Sequence[Sink],
-        on_error: str,
-        episode_timeout: float | None,
-        retries: int | None,
-        streaming: bool,
-        resume: bool = False,
-    ) -> Run:
+    async def _prepare(self, nb_episode: int, options: RunOptions, *, streaming: bool) -> Run:
+        unknown = sorted(set(options) - RunOptions.__optional_keys__)
+        if unknown:
+            call = "stream" if streaming else "run"
+            raise TypeError(f"{call}() got an unexpected keyword argument {unknown[0]!r}")
+        path_save = options.get("path_save")
+        pbar = options.get("pbar", False)
+        sinks = options.get("sinks", ())
+        on_error = options.get("on_error", "raise")
+        episode_timeout = options.get("episode_timeout")
+        retries = options.get("retries")
         self._check_open()
-        if self._mix_names is None:
-            requests = plan_episodes(
-                nb_episode,
-                names=self._names,
-                max_iter=max_iter,
-                env_seeds=env_seeds,
-                agent_seeds=agent_seeds,
-                episode_id=episode_id,
-                init_states=init_states,
-                reset_options=reset_options,
-            )
-        else:
-            requests = plan_mixes(
-                nb_episode,
-                self._mix_names,
-                max_iter=max_iter,
-                env_seeds=env_seeds,
-                agent_seeds=agent_seeds,
-                episode_id=episode_id,
-                init_states=init_states,
-                reset_options=reset_options,
-            )
         if on_error not in ("raise", "continue"):
             raise ValueError(f'`on_error` must be "raise" or "continue", got {on_error!r}')
         if episode_timeout is not None:
@@ -400,25 +234,21 @@ class AsyncRunner(AsyncResource):
                     f"sinks must be asyncrunner.sinks.Sink instances, got {type(sink).__name__}; "
                     "wrap a function in CallbackSink(fn)"
                 )
-        if resume and path_save is None:
-            raise ValueError("`resume=True` needs `path_save`: the folder to resume")
-        if path_save is not None:
-            path_save = check_path_save(path_save)
-        # Building actions from initial states, and reading back saved episodes, take a while.
-        await anyio.to_thread.run_sync(check_with_env, requests, self._env_for)
-        skipped: list[EpisodeResult] = []
-        if resume:
-            assert path_save is not None
-            from .sinks._episode_data import resume_plan
-
-            if self._mix_names is None:
-                requests, skipped = await anyio.to_thread.run_sync(
-                    resume_plan, requests, path_save, self._names, self._agent_name
-                )
-            else:
-                requests, skipped = await anyio.to_thread.run_sync(
-                    resume_mixes, requests, path_save, self._mix_names, self._agent_name
-                )
+        plan = await plan_run(
+            nb_episode,
+            names=self._names,
+            env_for=self._env_for,
+            agent=self._agent_name,
+            path_save=path_save,
+            resume=options.get("resume", False),
+            max_iter=options.get("max_iter"),
+            env_seeds=options.get("env_seeds"),
+            agent_seeds=options.get("agent_seeds"),
+            episode_id=options.get("episode_id"),
+            init_states=options.get("init_states"),
+            reset_options=options.get("reset_options"),
+        )
+        requests, skipped, path_save = plan.requests, plan.skipped, plan.path_save
         all_sinks = [*self.sinks, *sinks]
         if path_save is not None:
             from .sinks import EpisodeDataWriter
@@ -434,36 +264,27 @@ class AsyncRunner(AsyncResource):
             from .sinks import ProgressBar
 
             all_sinks.append(ProgressBar(pbar))
-        detail = streaming or any(getattr(s, "needs_steps", True) for s in all_sinks)
-        return Run(
-            self,
-            requests,
+        detail = streaming or any(s.needs_steps for s in all_sinks)
+        settings = RunSettings(
             sinks=all_sinks,
-            on_error=on_error,  # type: ignore[arg-type]  # a str here, checked "raise"/"continue" above
+            on_error=on_error,
             retries=retries,
             episode_timeout=episode_timeout,
             detail=detail,
-            skipped=skipped,
+            recipes=self._recipes,
+            agent=self._agent_name,
+            central=self._central,
+            env_for=self._env_for,
+            spaces=await self._spaces() if detail else {},
         )
+        return Run(self._get_pool(), requests, settings, skipped=skipped)
 
     async def run(
         self,
         nb_episode: int,
         *,
-        path_save: str | os.PathLike[str] | None = None,
-        max_iter: int | None = None,
-        pbar: Any = False,
-        env_seeds: Sequence[int] | None = None,
-        agent_seeds: Sequence[int] | None = None,
-        episode_id: Sequence[int | str | tuple[str, int | str]] | None = None,
-        init_states: Any = None,
-        reset_options: Any = None,
-        sinks: Sequence[Sink] = (),
-        on_error: Literal["raise", "continue"] = "raise",
-        episode_timeout: float | None = None,
-        retries: int | None = None,
-        resume: bool = False,
         add_detailed_output: bool | Literal["compact"] = False,
+        **options: Unpack[RunOptions],
     ) -> list[EpisodeResult]:
         """Play ``nb_episode`` episodes; returns one ``EpisodeResult`` each, in request order.
 
@@ -484,27 +305,11 @@ class AsyncRunner(AsyncResource):
         """
         collector = None
         if add_detailed_output:
-            from ._detail import DetailCollector
+            from .sinks._detail import DetailCollector
 
             collector = DetailCollector(self._env_for, compact=add_detailed_output == "compact")
-            sinks = [*sinks, collector]
-        run = await self._prepare(
-            nb_episode,
-            path_save=path_save,
-            max_iter=max_iter,
-            pbar=pbar,
-            env_seeds=env_seeds,
-            agent_seeds=agent_seeds,
-            episode_id=episode_id,
-            init_states=init_states,
-            reset_options=reset_options,
-            sinks=sinks,
-            on_error=on_error,
-            episode_timeout=episode_timeout,
-            retries=retries,
-            streaming=False,
-            resume=resume,
-        )
+            options = {**options, "sinks": [*options.get("sinks", ()), collector]}
+        run = await self._prepare(nb_episode, options, streaming=False)
         if collector is None:
             with _unwrapped():
                 return await run.execute()
@@ -519,44 +324,13 @@ class AsyncRunner(AsyncResource):
 
     @asynccontextmanager
     async def stream(
-        self,
-        nb_episode: int,
-        *,
-        path_save: str | os.PathLike[str] | None = None,
-        max_iter: int | None = None,
-        pbar: Any = False,
-        env_seeds: Sequence[int] | None = None,
-        agent_seeds: Sequence[int] | None = None,
-        episode_id: Sequence[int | str | tuple[str, int | str]] | None = None,
-        init_states: Any = None,
-        reset_options: Any = None,
-        sinks: Sequence[Sink] = (),
-        on_error: Literal["raise", "continue"] = "raise",
-        episode_timeout: float | None = None,
-        retries: int | None = None,
-        resume: bool = False,
+        self, nb_episode: int, **options: Unpack[RunOptions]
     ) -> AsyncIterator[AsyncIterator[Event]]:
         """Like ``run``, as an async context manager giving the events as they happen.
 
         Leaving the block early cancels what is left of the run.
         """
-        run = await self._prepare(
-            nb_episode,
-            path_save=path_save,
-            max_iter=max_iter,
-            pbar=pbar,
-            env_seeds=env_seeds,
-            agent_seeds=agent_seeds,
-            episode_id=episode_id,
-            init_states=init_states,
-            reset_options=reset_options,
-            sinks=sinks,
-            on_error=on_error,
-            episode_timeout=episode_timeout,
-            retries=retries,
-            streaming=True,
-            resume=resume,
-        )
+        run = await self._prepare(nb_episode, options, streaming=True)
         send, receive = anyio.create_memory_object_stream[Event](16)
 
         async def produce() -> None:
@@ -570,18 +344,6 @@ class AsyncRunner(AsyncResource):
                     yield receive
                 finally:
                     group.cancel_scope.cancel()
-
-
-async def _stop_process(process: Process) -> None:
-    # Closing its stdin ends an anyio worker cleanly (it exits on EOF, running atexit hooks);
-    # one that does not exit in time is killed.
-    if process.stdin is not None:
-        await process.stdin.aclose()
-    with anyio.move_on_after(_STOP_GRACE):
-        await process.wait()
-    if process.returncode is None:
-        process.kill()
-    await process.aclose()
 
 
 class _unwrapped:

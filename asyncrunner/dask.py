@@ -7,6 +7,6 @@ address directly; ``DaskExecutor`` is for choosing where the event channel liste
 
 from __future__ import annotations
 
-from ._dask import DaskExecutor, WorkerLost
+from ._pools._dask import DaskExecutor, WorkerLost
 
 __all__ = ["DaskExecutor", "WorkerLost"]

@@ -55,7 +55,7 @@ from asyncrunner import (
 
 # The command line's derivation of per-episode seeds: `"seed": N` here plays the episodes that
 # `asyncrunner run --seed N` plays.
-from asyncrunner._cli import _derive_seeds
+from asyncrunner._cli._common import derive_seeds
 
 ENV_NAME = "l2rpn_case14_sandbox"
 MAX_EPISODES = 1000  # per run: a bigger one would hold the workers (and the run's log) for hours
@@ -264,7 +264,7 @@ class Dashboard:
 
     def start(self, episodes: int, max_iter: int | None, seed: int | None) -> Run:
         assert self.runner is not None and self._group is not None, "the app is not started"
-        env_seeds, agent_seeds = _derive_seeds(seed, episodes)
+        env_seeds, agent_seeds = derive_seeds(seed, episodes)
         stream = self.runner.stream(
             episodes,
             max_iter=max_iter,

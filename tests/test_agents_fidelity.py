@@ -27,7 +27,8 @@ from grid2op.Environment.dispatch import BaseRedispatchSolver, RedispatchResult
 from grid2op.Exceptions import ImpossibleRedispatching
 from grid2op.Runner import Runner as GridRunner
 
-from asyncrunner import AsyncRunner, compat
+from asyncrunner import AsyncRunner
+from asyncrunner.compat import _runner as compat
 
 from .conftest import make_env
 

@@ -168,7 +168,7 @@ def test_figures(report: dict[str, Any]) -> None:
 
 
 def test_table(report: dict[str, Any], capsys: pytest.CaptureFixture[str]) -> None:
-    from asyncrunner._bench import _print_report
+    from asyncrunner._cli._bench_report import print_report as _print_report
 
     _print_report(report)
     out = capsys.readouterr().out
@@ -220,7 +220,7 @@ def test_skip_grid2op_no_probe_trio() -> None:
     assert agreement["steps_agree"] is None and agreement["grid2op_steps"] is None
     assert agreement["asyncrunner_steps"] == steps
     # the table copes with what is missing
-    from asyncrunner._bench import _print_report
+    from asyncrunner._cli._bench_report import print_report as _print_report
 
     _print_report(report)
 

@@ -10,8 +10,8 @@ import anyio.lowlevel
 import anyio.to_thread
 import pytest
 
-from asyncrunner import _channel
-from asyncrunner._channel import ChannelClosed, claim, connect, open_channel
+from asyncrunner._engine import _channel
+from asyncrunner._engine._channel import ChannelClosed, claim, connect, open_channel
 
 from .helpers import BOTH_LOOPS
 
@@ -70,7 +70,7 @@ async def test_closing_while_a_frame_arrives(listen: str | None) -> None:
     import pickle
     import socket
 
-    from asyncrunner._channel import _frame, _tcp
+    from asyncrunner._engine._channel import _frame, _tcp
 
     for _ in range(3):
         async with open_channel(listen=listen) as channel:

@@ -93,7 +93,7 @@ def test_save_where_nothing_can_be_written_is_refused(
 
 
 def test_path_save_checks_real_writability(tmp_path: Path) -> None:
-    from asyncrunner._plan import check_path_save
+    from asyncrunner._plan._arguments import check_path_save
 
     with pytest.raises(ValueError, match="is not writable"):
         check_path_save("/sys")
@@ -272,7 +272,7 @@ def test_plot_legend_clears_the_bars_and_identical_lines_stay_visible(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     pytest.importorskip("matplotlib")
-    from asyncrunner._show import figure, read_run
+    from asyncrunner._cli._show import figure, read_run
 
     runs = tmp_path / "runs"
     # The same chronic twice with the same seeds: identical episodes, identical lines.

@@ -20,7 +20,7 @@ from grid2op.Reward import FlatReward, L2RPNReward
 from grid2op.Runner import Runner
 
 from asyncrunner import AsyncRunner
-from asyncrunner._events import (
+from asyncrunner._model import (
     EpisodeFailed,
     EpisodeFinished,
     EpisodeStarted,
@@ -29,7 +29,7 @@ from asyncrunner._events import (
     StepBatch,
 )
 from asyncrunner.sinks import CallbackSink, CompactEpisodeWriter, EpisodeDataWriter
-from asyncrunner.sinks._episode_data import TMP_PREFIX
+from asyncrunner.sinks._writer import TMP_PREFIX
 
 from .helpers import BOTH_LOOPS
 

@@ -11,7 +11,7 @@ import anyio
 import pytest
 from anyio import BrokenWorkerProcess
 
-from asyncrunner._forkpool import ForkPool
+from asyncrunner._pools._fork import ForkPool
 
 from .helpers import BOTH_LOOPS, alive
 

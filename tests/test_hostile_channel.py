@@ -28,8 +28,9 @@ import psutil  # type: ignore[import-untyped]
 import pytest
 from grid2op.Agent import BaseAgent, DoNothingAgent
 
-from asyncrunner import AsyncRunner, RunFinished, RunStarted, _channel
-from asyncrunner._channel import _frame, open_channel
+from asyncrunner import AsyncRunner, RunFinished, RunStarted
+from asyncrunner._engine import _channel
+from asyncrunner._engine._channel import _frame, open_channel
 
 pytestmark = pytest.mark.anyio
 
@@ -431,7 +432,7 @@ async def test_a_local_dask_cluster_listens_on_loopback_only() -> None:
 
 HOLDS_A_CHANNEL = """
 import anyio
-from asyncrunner._channel import open_channel
+from asyncrunner._engine._channel import open_channel
 
 async def main():
     async with open_channel() as channel:
@@ -487,7 +488,7 @@ import sys, time, warnings
 import anyio, grid2op
 from grid2op.Agent import BaseAgent
 from asyncrunner import AsyncRunner, RunStarted
-from asyncrunner import _channel
+from asyncrunner._engine import _channel
 
 
 class Sleeps(BaseAgent):

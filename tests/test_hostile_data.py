@@ -24,9 +24,10 @@ from grid2op.Episode import EpisodeData
 from grid2op.Runner import Runner as GridRunner
 
 from asyncrunner import AsyncRunner, EpisodeError, EpisodeStarted, Event, SinkError
+from asyncrunner._plan._layout import BROKEN_FOLDER, RECORD_FILE
 from asyncrunner.compat import Runner as CompatRunner
 from asyncrunner.sinks import CallbackSink, CompactEpisodeWriter, EpisodeDataWriter
-from asyncrunner.sinks._episode_data import BROKEN_FOLDER, RECORD_FILE, TMP_PREFIX
+from asyncrunner.sinks._writer import TMP_PREFIX
 
 from .conftest import make_env
 

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from asyncrunner._plan import check_path_save, plan_episodes
+from asyncrunner._plan._arguments import check_path_save, plan_episodes
 
 NAMES = ["0000", "0001", "0002"]
 

@@ -113,22 +113,24 @@ async def test_killed_worker_is_replaced_and_episode_retried(env: Any) -> None:
 async def test_a_replayed_episode_keeps_its_first_result() -> None:
     # A worker that dies just after sending an episode's end can see that episode replayed (its
     # death was noticed before the end arrived): the replay's end is dropped, counted once.
-    from typing import cast
-
-    from asyncrunner._events import EpisodeFinished
-    from asyncrunner._plan import EpisodeRequest
-    from asyncrunner._run import Run
+    from asyncrunner._engine._dispatch import Run, RunSettings
+    from asyncrunner._model import EpisodeFinished, EpisodeRequest
+    from asyncrunner._pools._fork import ForkPool
 
     requests = [EpisodeRequest(i, i, None, None, None, None, None) for i in range(2)]
-    run = Run(
-        cast(Any, None),
-        requests,
+    settings = RunSettings(
         sinks=[],
         on_error="continue",
         retries=1,
         episode_timeout=None,
         detail=False,
+        recipes={},
+        agent=None,
+        central=None,
+        env_for=lambda mix: None,
+        spaces={},
     )
+    run = Run(ForkPool(anyio.CapacityLimiter(1)), requests, settings)  # collects, never calls
     emitted: list[Any] = []
 
     async def emit(event: Any) -> None:
@@ -227,7 +229,7 @@ async def test_runner_close_leaves_no_worker_process(
 
 @BOTH_LOOPS
 async def test_channel_rejects_strangers() -> None:
-    from asyncrunner._channel import _frame, open_channel
+    from asyncrunner._engine._channel import _frame, open_channel
 
     async with open_channel() as channel:
         # A stranger with a wrong token: closed before anything it sends is unpickled.

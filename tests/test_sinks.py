@@ -27,7 +27,7 @@ from asyncrunner import (
     SinkError,
     StepBatch,
 )
-from asyncrunner._run import SINK_BUFFER
+from asyncrunner._engine._dispatch import SINK_BUFFER
 from asyncrunner.sinks import CallbackSink, LoggingSink, ProgressBar, Sink
 
 from .conftest import make_env

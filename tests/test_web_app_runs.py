@@ -19,7 +19,7 @@ httpx = pytest.importorskip("httpx")
 uvicorn = pytest.importorskip("uvicorn")
 pytest.importorskip("starlette")
 
-from asyncrunner._cli import _derive_seeds  # noqa: E402  (after the skips)
+from asyncrunner._cli._common import derive_seeds as _derive_seeds  # noqa: E402  (after the skips)
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "web_app.py"
 pytestmark = pytest.mark.anyio

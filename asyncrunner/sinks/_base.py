@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import abc
+from collections.abc import Mapping
 
 from anyio.abc import AsyncResource
 
-from .._events import Event
+from .._model import Event
 
 __all__ = ["Sink"]
 
@@ -17,6 +18,15 @@ class Sink(AsyncResource):
     Each sink reads its own bounded stream: a slow ``send`` slows the run instead of growing
     memory. Do file or CPU work in ``anyio.to_thread.run_sync`` so the event loop stays free.
     """
+
+    # Whether the sink reads the steps (``StepBatch``): when no sink of a run does, the workers
+    # send none.
+    needs_steps = True
+
+    @property
+    def saved(self) -> Mapping[int, str]:
+        """The folder each episode was saved in, by request index (``EpisodeResult.path``)."""
+        return {}
 
     @abc.abstractmethod
     async def send(self, event: Event) -> None:

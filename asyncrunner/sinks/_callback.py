@@ -5,7 +5,7 @@ from __future__ import annotations
 import inspect
 from collections.abc import Awaitable, Callable
 
-from .._events import Event
+from .._model import Event
 from ._base import Sink
 
 __all__ = ["CallbackSink"]

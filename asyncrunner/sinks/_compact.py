@@ -9,9 +9,11 @@ from typing import Any
 
 import numpy as np
 
-from .._events import EpisodeFinished, EpisodeStarted
-from ._episode_data import SPACE_FILES, _EpisodeBuffer, _Writer, json_bytes, sync, write_file
+from .._model import EpisodeFinished, EpisodeStarted
+from .._plan._layout import SPACE_FILES, sync
+from ._buffer import EpisodeBuffer
 from ._npz import npz_bytes
+from ._writer import Writer, json_bytes, write_file
 
 __all__ = ["CompactEpisodeWriter"]
 
@@ -22,7 +24,7 @@ _NO_LIMIT = int(np.iinfo(np.int32).max)  # env.max_episode_duration() of an endl
 _NO_LINKS = {errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV, errno.EMLINK}
 
 
-class CompactEpisodeWriter(_Writer):
+class CompactEpisodeWriter(Writer):
     """Saves each finished episode as grid2op's ``CompactEpisodeData`` in ``path``.
 
     What ``grid2op.Runner.Runner(..., use_compact_episode_data=True).run(path_save=path)`` writes:
@@ -52,7 +54,7 @@ class CompactEpisodeWriter(_Writer):
     def _write_spaces(self, spaces: Mapping[str, Any]) -> None:
         self._write_json_once(self.folder, spaces, SPACE_FILES)
 
-    def _write_episode(self, buffer: _EpisodeBuffer, finished: EpisodeFinished) -> str:
+    def _write_episode(self, buffer: EpisodeBuffer, finished: EpisodeFinished) -> str:
         started = buffer.started
         os.makedirs(self.folder, exist_ok=True)
         meta, data = compact_content(buffer, finished)
@@ -92,7 +94,7 @@ def compact_capacity(started: EpisodeStarted) -> int:
 
 
 def compact_content(
-    buffer: _EpisodeBuffer, finished: EpisodeFinished
+    buffer: EpisodeBuffer, finished: EpisodeFinished
 ) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
     """A CompactEpisodeData's metadata and arrays, as grid2op's Runner makes them."""
     started = buffer.started

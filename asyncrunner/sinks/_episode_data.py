@@ -1,354 +1,39 @@
 """``EpisodeDataWriter``: saves episodes in grid2op's ``EpisodeData`` folder layout, atomically.
 
-Also the on-disk side of ``resume``: which requested episodes are already complete in a folder.
+The layout itself (file names, our record) and reading it back for ``resume`` are in
+``_plan._layout``; the buffering and atomic writing both writers share, in ``_buffer`` and
+``_writer``.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
-import errno
-import hashlib
-import json
 import os
-import re
-import secrets
-import shutil
-import socket
-import threading
-import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-import anyio
-import anyio.to_thread
 import numpy as np
 
-from .._events import EpisodeFailed, EpisodeFinished, EpisodeStarted, Event, RunStarted, StepBatch
-from .._results import EpisodeResult
-from ._base import Sink
+from .._model import (
+    EpisodeFinished,
+)
+from .._plan._layout import (
+    NAME_TAKEN,
+    RECORD_FILE,
+    RECORD_FORMAT,
+    SPACE_FILES,
+    sync,
+)
+from ._buffer import EpisodeBuffer
 from ._npz import npz_bytes
-
-if TYPE_CHECKING:
-    from .._plan import EpisodeRequest
+from ._writer import Writer, json_bytes, write_file
 
 __all__ = ["EpisodeDataWriter"]
 
-# The run-level files grid2op writes once at the top of ``path_save`` (keys of RunStarted.spaces).
-SPACE_FILES = (
-    "dict_action_space.json",
-    "dict_observation_space.json",
-    "dict_env_modification_space.json",
-    "dict_attack_space.json",
-)
-# Files grid2op's EpisodeData.list_episode requires in an episode folder (EpisodeData.ATTR_EPISODE).
-EPISODE_FILES = (
-    "_parameters.json",
-    "episode_meta.json",
-    "episode_times.json",
-    "other_rewards.json",
-    "agent_exec_times.npz",
-    "actions.npz",
-    "env_modifications.npz",
-    "observations.npz",
-    "disc_lines_cascading_failure.npz",
-    "opponent_attack.npz",
-    "rewards.npz",
-)
-# Ours, written last: what was requested, which agent played, and each file's size and checksum,
-# so that ``resume`` recognises the episode and replays it when a file is damaged.
-RECORD_FILE = "asyncrunner.json"
-RECORD_FORMAT = 2
-# Work in progress lives under hidden names that grid2op never lists; the name holds the owner
-# (this machine, this process) so that a later run can remove what a killed one left.
-TMP_PREFIX = ".asyncrunner-tmp-"
-_HOST = hashlib.blake2b(socket.gethostname().encode(), digest_size=4).hexdigest()
-_TMP_OWNER = re.compile(rf"^{re.escape(TMP_PREFIX)}([0-9a-f]{{8}})-([0-9]+)-")
-# This process's work in progress, by path: a dead run's folder may carry our pid (pid reuse).
-_LIVE: set[str] = set()
-_LIVE_LOCK = threading.Lock()
-# Where ``resume`` moves a damaged episode folder (one level down: grid2op does not list it).
-BROKEN_FOLDER = ".asyncrunner-broken"
-# Rows added at a time when an episode's length is unknown (max_ts <= 0).
-_GROW_ROWS = 64
-# rename() errors meaning "that name is taken": try the next one.
-_TAKEN = {errno.EEXIST, errno.ENOTEMPTY, errno.ENOTDIR, errno.EISDIR}
+if TYPE_CHECKING:
+    pass
 
 
-class _EpisodeBuffer:
-    """One attempt of one episode, in arrays shaped as grid2op's Runner allocates them.
-
-    With ``capacity > 0`` the arrays hold ``capacity`` rows (observations one more) padded as
-    grid2op pads them (NaN; ``True`` for disconnected lines; ``0`` for attacks); otherwise they
-    grow and are cut to the steps played.
-    """
-
-    def __init__(self, started: EpisodeStarted, capacity: int) -> None:
-        self.started = started
-        self.attempt = started.attempt
-        self.fixed = capacity > 0
-        self.capacity = capacity if capacity > 0 else 0
-        self.n = 0
-        self.cum_reward64 = 0.0  # as CompactEpisodeData sums: float(reward) in float64
-        first = np.asarray(started.observation, dtype=np.float32)
-        self.observations = np.full((self.capacity + 1, first.shape[0]), np.nan, dtype=np.float32)
-        self.observations[0] = first
-        self.rewards = np.full(self.capacity, np.nan, dtype=np.float32)
-        self.times = np.full(self.capacity, np.nan, dtype=np.float32)
-        self.legal = np.full(self.capacity, True, dtype=np.bool_)
-        self.ambiguous = np.full(self.capacity, False, dtype=np.bool_)
-        # Their widths come with the first batch.
-        self.actions: np.ndarray | None = None
-        self.env_actions: np.ndarray | None = None
-        self.disc_lines: np.ndarray | None = None
-        self.attacks: np.ndarray | None = None
-        self.other_rewards: np.ndarray | None = None
-
-    _PAD: Mapping[str, tuple[Any, Any]] = {
-        "actions": (np.nan, np.float32),
-        "env_actions": (np.nan, np.float32),
-        "disc_lines": (True, np.bool_),
-        "attacks": (0.0, np.float32),
-        "other_rewards": (np.nan, np.float64),
-    }
-
-    def _wide(self, name: str, width: int, rows: int) -> np.ndarray:
-        fill, dtype = self._PAD[name]
-        return np.full((rows, width), fill, dtype=dtype)
-
-    def _reserve(self, rows: int) -> None:
-        if rows <= self.capacity:
-            return
-        new = max(rows, 2 * self.capacity, _GROW_ROWS)
-
-        def grown(arr: np.ndarray, fill: Any, extra: int = 0) -> np.ndarray:
-            out = np.full((new + extra, *arr.shape[1:]), fill, dtype=arr.dtype)
-            out[: arr.shape[0]] = arr
-            return out
-
-        self.observations = grown(self.observations, np.nan, 1)
-        self.rewards = grown(self.rewards, np.nan)
-        self.times = grown(self.times, np.nan)
-        self.legal = grown(self.legal, True)
-        self.ambiguous = grown(self.ambiguous, False)
-        for name, (fill, _) in self._PAD.items():
-            arr = getattr(self, name)
-            if arr is not None:
-                setattr(self, name, grown(arr, fill))
-        self.capacity = new
-
-    def add(self, batch: StepBatch) -> None:
-        k = len(batch)
-        lo = batch.first_step - 1
-        hi = lo + k
-        self._reserve(hi)
-        if self.actions is None:
-            rows = self.capacity
-            self.actions = self._wide("actions", batch.actions.shape[1], rows)
-            self.env_actions = self._wide("env_actions", batch.env_actions.shape[1], rows)
-            self.disc_lines = self._wide("disc_lines", batch.disc_lines.shape[1], rows)
-            self.attacks = self._wide("attacks", batch.attacks.shape[1], rows)
-            self.other_rewards = self._wide("other_rewards", batch.other_rewards.shape[1], rows)
-        assert self.env_actions is not None and self.disc_lines is not None
-        assert self.attacks is not None and self.other_rewards is not None
-        self.actions[lo:hi] = batch.actions
-        self.env_actions[lo:hi] = batch.env_actions
-        self.observations[lo + 1 : hi + 1] = batch.observations
-        self.rewards[lo:hi] = batch.rewards
-        self.times[lo:hi] = batch.agent_times
-        self.disc_lines[lo:hi] = batch.disc_lines
-        self.attacks[lo:hi] = batch.attacks
-        self.legal[lo:hi] = batch.legal
-        self.ambiguous[lo:hi] = batch.ambiguous
-        self.other_rewards[lo:hi] = batch.other_rewards
-        for reward in batch.rewards.tolist():
-            self.cum_reward64 += float(reward)
-        self.n = max(self.n, hi)
-
-    def arrays(self) -> dict[str, np.ndarray]:
-        """The arrays to save: preallocated ones whole, grown ones cut to the steps played."""
-        if self.actions is None:  # no step arrived (grid2op always plays at least one)
-            self._reserve(1)
-            for name in self._PAD:
-                setattr(self, name, self._wide(name, 0, self.capacity))
-        rows = self.capacity if self.fixed else self.n
-        out = {
-            "observations": self.observations[: rows + 1],
-            "rewards": self.rewards[:rows],
-            "times": self.times[:rows],
-            "legal": self.legal[:rows],
-            "ambiguous": self.ambiguous[:rows],
-        }
-        for name in self._PAD:
-            out[name] = getattr(self, name)[:rows]
-        return out
-
-
-class BufferingSink(Sink):
-    """Keeps each episode attempt's steps in an ``_EpisodeBuffer``; hands finished ones on.
-
-    A retried episode's new attempt replaces the old one's buffer; a failed one is dropped.
-    """
-
-    needs_steps = True
-
-    def __init__(self) -> None:
-        self._open: dict[tuple[str, int], _EpisodeBuffer] = {}
-
-    def _capacity(self, started: EpisodeStarted) -> int:
-        return started.max_ts  # grid2op preallocates chronics_handler.max_timestep() rows
-
-    async def _finished(self, buffer: _EpisodeBuffer, finished: EpisodeFinished) -> None:
-        raise NotImplementedError
-
-    async def send(self, event: Event) -> None:
-        if isinstance(event, StepBatch):
-            buffer = self._open.get((event.run_id, event.index))
-            if buffer is not None and buffer.attempt == event.attempt:
-                buffer.add(event)
-        elif isinstance(event, EpisodeStarted):
-            self._open[(event.run_id, event.index)] = _EpisodeBuffer(event, self._capacity(event))
-        elif isinstance(event, EpisodeFinished | EpisodeFailed):
-            key = (event.run_id, event.index)
-            buffer = self._open.get(key)
-            if buffer is None or buffer.attempt != event.attempt:
-                return
-            del self._open[key]  # its memory goes once handed on
-            if isinstance(event, EpisodeFinished):
-                await self._finished(buffer, event)
-
-    async def aclose(self) -> None:
-        self._open.clear()
-
-
-class _Writer(BufferingSink):
-    """What both episode writers share: buffering per episode attempt, writing off the loop."""
-
-    def __init__(self, path: str | os.PathLike[str]) -> None:
-        path = os.path.abspath(os.fspath(path))
-        if os.path.exists(path) and not os.path.isdir(path):
-            raise ValueError(f"cannot save episodes in {path!r}: it exists and is not a folder")
-        super().__init__()
-        self.path = path
-        self.agent: str | None = None  # the run's agent, recorded with each episode
-        self._work = path  # where work in progress goes
-        self.paths: dict[int, str] = {}
-        self._reserved: set[str] = set()
-        self._tmp: set[str] = set()
-        self._lock = threading.Lock()
-
-    # --- to implement -----------------------------------------------------------------------
-
-    def _write_spaces(self, spaces: Mapping[str, Any]) -> None:
-        raise NotImplementedError
-
-    def _write_episode(self, buffer: _EpisodeBuffer, finished: EpisodeFinished) -> str:
-        raise NotImplementedError
-
-    # --- events -----------------------------------------------------------------------------
-
-    async def _finished(self, buffer: _EpisodeBuffer, finished: EpisodeFinished) -> None:
-        self.paths[finished.index] = await anyio.to_thread.run_sync(
-            self._write_episode, buffer, finished
-        )
-
-    async def send(self, event: Event) -> None:
-        if isinstance(event, RunStarted):
-            self.paths = {}
-            self.agent = event.agent
-            await anyio.to_thread.run_sync(self._start, event.spaces)
-        else:
-            await super().send(event)
-
-    async def aclose(self) -> None:
-        """Drop unfinished episodes and remove any work-in-progress left on disk."""
-        await super().aclose()
-        with self._lock:
-            leftovers = sorted(self._tmp)
-        if leftovers:
-            await anyio.to_thread.run_sync(self._remove, leftovers)
-
-    # --- file helpers (run in a worker thread) ----------------------------------------------
-
-    def _start(self, spaces: Mapping[str, Any]) -> None:
-        self._remove_stale()
-        if spaces:
-            self._write_spaces(spaces)
-
-    def _remove_stale(self) -> None:
-        """Remove the work in progress of runs whose process is gone (killed mid-write)."""
-        try:
-            entries = os.listdir(self._work)
-        except (FileNotFoundError, NotADirectoryError):
-            return
-        stale = []
-        for entry in entries:
-            owner = _TMP_OWNER.match(entry)
-            if owner is None or owner.group(1) != _HOST:
-                continue  # an older version's, or another machine's (a shared folder)
-            path = os.path.join(self._work, entry)
-            pid = int(owner.group(2))
-            if pid == os.getpid():
-                with _LIVE_LOCK:
-                    if path in _LIVE:
-                        continue
-            elif _alive(pid):
-                continue
-            stale.append(path)
-        self._remove(stale)
-
-    def _new_tmp(self, folder: str, suffix: str = "") -> str:
-        name = f"{TMP_PREFIX}{_HOST}-{os.getpid()}-{secrets.token_hex(6)}{suffix}"
-        tmp = os.path.join(folder, name)
-        with self._lock:
-            self._tmp.add(tmp)
-        with _LIVE_LOCK:
-            _LIVE.add(tmp)
-        return tmp
-
-    def _remove(self, paths: Sequence[str]) -> None:
-        for p in paths:
-            if os.path.isdir(p) and not os.path.islink(p):
-                shutil.rmtree(p, ignore_errors=True)
-            else:
-                try:
-                    os.unlink(p)
-                except FileNotFoundError:
-                    pass
-            with self._lock:
-                self._tmp.discard(p)
-            with _LIVE_LOCK:
-                _LIVE.discard(p)
-
-    def _reserve_name(self, name: str) -> bool:
-        with self._lock:
-            if name in self._reserved:
-                return False
-            self._reserved.add(name)
-            return True
-
-    def _write_json_once(
-        self, folder: str, spaces: Mapping[str, Any], names: Sequence[str]
-    ) -> None:
-        """Write the space files missing in ``folder`` (existing ones are kept, as grid2op does)."""
-        os.makedirs(folder, exist_ok=True)
-        for name in names:
-            if name not in spaces:
-                continue
-            target = os.path.join(folder, name)
-            if os.path.exists(target):
-                continue
-            tmp = self._new_tmp(folder, ".part")
-            try:
-                write_file(tmp, json_bytes(spaces[name]))
-                sync([tmp])
-                if not os.path.exists(target):
-                    os.replace(tmp, target)
-                    sync([folder])
-            finally:
-                self._remove([tmp])
-
-
-class EpisodeDataWriter(_Writer):
+class EpisodeDataWriter(Writer):
     """Saves each finished episode as grid2op's ``EpisodeData`` folder in ``path``.
 
     The result loads with ``grid2op.Episode.EpisodeData.list_episode`` / ``from_disk`` (so with
@@ -374,7 +59,7 @@ class EpisodeDataWriter(_Writer):
     def _write_spaces(self, spaces: Mapping[str, Any]) -> None:
         self._write_json_once(self.path, spaces, SPACE_FILES)
 
-    def _write_episode(self, buffer: _EpisodeBuffer, finished: EpisodeFinished) -> str:
+    def _write_episode(self, buffer: EpisodeBuffer, finished: EpisodeFinished) -> str:
         os.makedirs(self.path, exist_ok=True)
         parent = self._new_tmp(self.path)
         try:
@@ -391,7 +76,7 @@ class EpisodeDataWriter(_Writer):
         finally:
             self._remove([parent])
 
-    def _write_files(self, folder: str, buffer: _EpisodeBuffer, finished: EpisodeFinished) -> None:
+    def _write_files(self, folder: str, buffer: EpisodeBuffer, finished: EpisodeFinished) -> None:
         from grid2op.Space import GRID2OP_CURRENT_VERSION_STR
 
         started = buffer.started
@@ -458,225 +143,7 @@ class EpisodeDataWriter(_Writer):
             try:
                 os.rename(folder, target)  # fails when target is a file or a non-empty folder
             except OSError as exc:
-                if exc.errno in _TAKEN:
+                if exc.errno in NAME_TAKEN:
                     continue
                 raise
             return target
-
-
-def json_bytes(obj: Any) -> bytes:
-    """``obj`` as grid2op writes its json files."""
-    return json.dumps(_plain(obj), indent=4, sort_keys=True).encode("utf-8")
-
-
-def write_file(path: str, data: bytes) -> str:
-    """Write ``data`` to ``path`` (``sync`` flushes it to the disk); returns its sha256."""
-    with open(path, "wb") as f:
-        f.write(data)
-    return hashlib.sha256(data).hexdigest()
-
-
-def sync(paths: Sequence[str]) -> None:
-    """Flush files, or a folder's entries (names created or renamed in it), to the disk.
-
-    Without it a power loss after the rename that publishes an episode can leave it complete
-    in name and empty in content. The ``fsync`` calls run at once: the file system then commits
-    them together (here 14 in a row took about 8 ms each; at once, about as long as one).
-    """
-    if len(paths) == 1:
-        _fsync(paths[0])
-        return
-    with concurrent.futures.ThreadPoolExecutor(len(paths)) as pool:
-        for _ in pool.map(_fsync, paths):
-            pass
-
-
-def _fsync(path: str) -> None:
-    folder = os.path.isdir(path)
-    if folder and os.name == "nt":
-        return  # Windows has no fsync of a folder
-    fd = os.open(path, os.O_RDONLY if folder else os.O_RDWR)  # Windows flushes writable files
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _alive(pid: int) -> bool:
-    """Whether process ``pid`` exists (on this machine)."""
-    if os.name == "nt":
-        return True  # os.kill(pid, 0) would interrupt it there: never remove another's work
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # another user's
-    return True
-
-
-def _plain(obj: Any) -> Any:
-    if isinstance(obj, Mapping):
-        return {k: _plain(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_plain(v) for v in obj]
-    if isinstance(obj, np.generic):
-        return obj.item()
-    return obj
-
-
-# --- resume -----------------------------------------------------------------------------------
-
-
-def _episode_key(episode_id: Any, name: str | None, names: list[str] | None) -> Any:
-    if names is None:
-        return episode_id
-    if isinstance(episode_id, str):
-        return episode_id
-    if name is not None:
-        return name
-    return names[int(episode_id)]
-
-
-def saved_episodes(path: str | os.PathLike[str]) -> list[tuple[str, dict[str, Any]]]:
-    """Episode folders in ``path`` with a record of this format, and their record (unverified)."""
-    path = os.path.abspath(os.fspath(path))
-    if not os.path.isdir(path):
-        return []
-    found = []
-    for entry in sorted(os.listdir(path)):
-        folder = os.path.join(path, entry)
-        if entry.startswith(".") or not os.path.isfile(os.path.join(folder, RECORD_FILE)):
-            continue
-        try:
-            with open(os.path.join(folder, RECORD_FILE), encoding="utf-8") as f:
-                record = json.load(f)
-        except (OSError, ValueError):
-            continue
-        if isinstance(record, dict) and record.get("format") == RECORD_FORMAT:
-            found.append((folder, record))
-    return found
-
-
-def damage(folder: str, record: Mapping[str, Any]) -> str | None:
-    """What is wrong with the files of a saved episode (``None``: each is as recorded)."""
-    files = record.get("files")
-    if not isinstance(files, dict):
-        return f"{RECORD_FILE} lists no files"
-    missing = [name for name in EPISODE_FILES if name not in files]
-    if missing:
-        return f"{RECORD_FILE} does not list {missing[0]}"
-    for name, expected in sorted(files.items()):
-        if os.path.basename(name) != name or not isinstance(expected, dict):
-            return f"{RECORD_FILE} lists {name!r} wrongly"
-        try:
-            with open(os.path.join(folder, name), "rb") as f:
-                size = os.fstat(f.fileno()).st_size
-                digest = hashlib.file_digest(f, "sha256").hexdigest()
-        except OSError as exc:
-            return f"{name} cannot be read ({exc.strerror or exc})"
-        if size != expected.get("size"):
-            return f"{name} has {size} bytes where {expected.get('size')} were written"
-        if digest != expected.get("sha256"):
-            return f"{name} differs from what was written (sha256)"
-    return None
-
-
-def _move_aside(path: str, folder: str) -> str:
-    """Move a damaged episode folder into ``path/.asyncrunner-broken/``; returns where."""
-    broken = os.path.join(path, BROKEN_FOLDER)
-    os.makedirs(broken, exist_ok=True)
-    name = os.path.basename(folder)
-    k = 0
-    while True:
-        target = os.path.join(broken, name if k == 0 else f"{name}_{k}")
-        k += 1
-        if os.path.lexists(target):
-            continue
-        try:
-            os.rename(folder, target)
-        except OSError as exc:
-            if exc.errno in _TAKEN:
-                continue
-            raise
-        sync([broken, path])
-        return target
-
-
-def resume_plan(
-    requests: Sequence[EpisodeRequest],
-    path: str | os.PathLike[str],
-    names: list[str] | None,
-    agent: str | None,
-) -> tuple[list[EpisodeRequest], list[EpisodeResult]]:
-    """Split ``requests`` into those still to play and results read back from ``path``.
-
-    A request is complete when a folder in ``path`` saved the same chronic with the same agent,
-    env seed, agent seed and ``max_iter`` (``init_states`` / ``reset_options`` are not
-    compared), and each of its files is as written (size and sha256 in its record). Each
-    folder stands for one request at most (a chronic requested twice needs two folders). A
-    matching folder whose files are damaged is moved into ``path/.asyncrunner-broken/`` (with a
-    warning) and its episode plays again. Reads every matching file: call it off the event loop.
-    """
-    path = os.path.abspath(os.fspath(path))
-    pool: dict[Any, list[tuple[str, dict[str, Any]]]] = {}
-    for folder, record in saved_episodes(path):
-        key = (
-            _episode_key(record.get("episode_id"), record.get("name"), names),
-            record.get("agent"),
-            record.get("env_seed"),
-            record.get("agent_seed"),
-            record.get("max_iter"),
-        )
-        pool.setdefault(key, []).append((folder, record))
-    todo: list[EpisodeRequest] = []
-    done: list[EpisodeResult] = []
-    for request in requests:
-        key = (
-            _episode_key(request.episode_id, None, names),
-            agent,
-            request.env_seed,
-            request.agent_seed,
-            request.max_iter,
-        )
-        found = _intact(path, pool.get(key, []))
-        if found is None:
-            todo.append(request)
-            continue
-        folder, record, meta = found
-        done.append(
-            EpisodeResult(
-                index=request.index,
-                chronics_path=meta.get("chronics_path"),
-                name=record.get("name"),
-                cum_reward=float(meta.get("cumulative_reward", 0.0)),
-                nb_time_step=int(meta.get("nb_timestep_played", 0)),
-                max_ts=max(int(meta.get("chronics_max_timestep", 0)), 0),
-                env_seed=request.env_seed,
-                agent_seed=request.agent_seed,
-                path=folder,
-                nb_highres_sim=int(record.get("nb_highres_sim", 0)),
-            )
-        )
-    return todo, done
-
-
-def _intact(
-    path: str, matches: list[tuple[str, dict[str, Any]]]
-) -> tuple[str, dict[str, Any], dict[str, Any]] | None:
-    """Take the first intact folder of ``matches`` (with its meta), moving damaged ones aside."""
-    while matches:
-        folder, record = matches.pop(0)
-        problem = damage(folder, record)
-        if problem is None:
-            with open(os.path.join(folder, "episode_meta.json"), encoding="utf-8") as f:
-                return folder, record, json.load(f)
-        if not os.path.isdir(folder):
-            continue  # moved by another run resuming the same folder
-        aside = _move_aside(path, folder)
-        warnings.warn(
-            f"resume: the saved episode {folder} is damaged ({problem}); it was moved to "
-            f"{aside} and the episode plays again",
-            stacklevel=2,
-        )
-    return None

@@ -6,14 +6,7 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
-from .._events import (
-    EpisodeFailed,
-    EpisodeFinished,
-    EpisodeStarted,
-    Event,
-    RunFinished,
-    RunStarted,
-)
+from .._model import EpisodeFailed, EpisodeFinished, EpisodeStarted, Event, RunFinished, RunStarted
 from ._base import Sink
 
 __all__ = ["LoggingSink"]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .._events import (
+from .._model import (
     EpisodeFailed,
     EpisodeFinished,
     EpisodeStarted,

@@ -1,9 +1,11 @@
-"""The events a run emits, in the order a sink sees them.
+"""The model every layer shares: what a run is asked to play, the events it emits, its results.
 
-``RunStarted``, then for each episode ``EpisodeStarted``, any number of ``StepBatch`` and one of
-``EpisodeFinished`` / ``EpisodeFailed``, then ``RunFinished``. Events of different episodes interleave.
-A worker that dies mid-episode yields ``EpisodeFailed(retrying=True)`` and the episode starts again
-with ``attempt + 1``: sinks drop what they hold for the failed attempt.
+``EpisodeRequest``: one requested episode (planned by ``_plan``). Events, in the order a sink
+sees them: ``RunStarted``, then for each episode ``EpisodeStarted``, any number of ``StepBatch``
+and one of ``EpisodeFinished`` / ``EpisodeFailed``, then ``RunFinished``. Events of different
+episodes interleave. A worker that dies mid-episode yields ``EpisodeFailed(retrying=True)`` and
+the episode starts again with ``attempt + 1``: sinks drop what they hold for the failed attempt.
+``EpisodeResult``: what ``AsyncRunner.run`` returns, one per requested episode.
 """
 
 from __future__ import annotations
@@ -14,17 +16,34 @@ from typing import Any
 
 import numpy as np
 
-from ._results import EpisodeResult
-
 __all__ = [
     "EpisodeFailed",
     "EpisodeFinished",
+    "EpisodeRequest",
+    "EpisodeResult",
     "EpisodeStarted",
     "Event",
     "RunFinished",
     "RunStarted",
     "StepBatch",
 ]
+
+
+@dataclass(frozen=True)
+class EpisodeRequest:
+    """The ``index``-th requested episode, with grid2op's Runner meaning for each field.
+
+    ``mix``: the mix to play it on, for a ``MultiMixEnvironment`` (``None`` otherwise).
+    """
+
+    index: int
+    episode_id: int | str
+    env_seed: int | None
+    agent_seed: int | None
+    max_iter: int | None
+    init_state: Any
+    reset_options: dict[str, Any] | None
+    mix: str | None = None
 
 
 @dataclass(frozen=True)
@@ -135,6 +154,81 @@ class EpisodeFailed:
     step: int
     retrying: bool = False
     steps_lost: bool = False
+
+
+@dataclass(frozen=True)
+class EpisodeResult:
+    """The outcome of the ``index``-th requested episode.
+
+    ``error`` is ``None`` for a played episode, else the ``EpisodeFailed`` event that ended it.
+    ``path`` is the episode's saved folder, or ``None`` when nothing was saved.
+    ``episode_data``: grid2op's ``EpisodeData`` (or ``CompactEpisodeData``) of the episode when
+    ``run(add_detailed_output=...)`` asked for it. ``mix``: the mix played, on a
+    ``MultiMixEnvironment`` (``None`` otherwise).
+    """
+
+    index: int
+    chronics_path: str | None
+    name: str | None
+    cum_reward: float
+    nb_time_step: int
+    max_ts: int
+    env_seed: int | None
+    agent_seed: int | None
+    path: str | None = None
+    error: EpisodeFailed | None = None
+    nb_highres_sim: int = 0
+    episode_data: Any = field(default=None, repr=False, compare=False)
+    mix: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        """Whether the episode was played to its end."""
+        return self.error is None
+
+    @classmethod
+    def of_finished(cls, event: EpisodeFinished, *, mix: str | None = None) -> EpisodeResult:
+        """The result of an episode played to its end."""
+        return cls(
+            index=event.index,
+            chronics_path=event.chronics_path,
+            name=event.name,
+            cum_reward=event.cum_reward,
+            nb_time_step=event.nb_time_step,
+            max_ts=event.max_ts,
+            env_seed=event.env_seed,
+            agent_seed=event.agent_seed,
+            nb_highres_sim=event.nb_highres_sim,
+            mix=mix,
+        )
+
+    @classmethod
+    def of_failed(
+        cls,
+        failure: EpisodeFailed,
+        started: EpisodeStarted | None,
+        *,
+        env_seed: int | None,
+        agent_seed: int | None,
+        mix: str | None = None,
+    ) -> EpisodeResult:
+        """The result of a failed episode: its chronic and length from its last start, if any."""
+        return cls(
+            index=failure.index,
+            chronics_path=None if started is None else started.chronics_path,
+            name=None if started is None else started.name,
+            cum_reward=0.0,
+            nb_time_step=failure.step,
+            max_ts=0 if started is None else started.max_ts,
+            env_seed=env_seed,
+            agent_seed=agent_seed,
+            error=failure,
+            mix=mix,
+        )
+
+    def as_tuple(self) -> tuple[str | None, str | None, float, int, int]:
+        """grid2op's ``(chronics_path, name, cum_reward, nb_time_step, max_ts)``."""
+        return (self.chronics_path, self.name, self.cum_reward, self.nb_time_step, self.max_ts)
 
 
 @dataclass(frozen=True)

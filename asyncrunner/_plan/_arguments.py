@@ -7,13 +7,14 @@ import os
 import tempfile
 import warnings
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
 import numpy as np
 
-__all__ = ["EpisodeRequest", "check_with_env", "chronic_names", "plan_episodes"]
+from .._model import EpisodeRequest
+
+__all__ = ["check_with_env", "chronic_names", "plan_episodes"]
 
 # grid2op's limits: ``env.seed`` refuses seeds above int32's maximum ("Seed is too big"), and an
 # agent is seeded through numpy's ``RandomState`` (``BaseAgent.seed``), which takes 0 .. 2**32 - 1.
@@ -28,23 +29,6 @@ _RESET_KEYS = (
     "max step",
     "thermal limit",
 )
-
-
-@dataclass(frozen=True)
-class EpisodeRequest:
-    """The ``index``-th requested episode, with grid2op's Runner meaning for each field.
-
-    ``mix``: the mix to play it on, for a ``MultiMixEnvironment`` (``None`` otherwise).
-    """
-
-    index: int
-    episode_id: int | str
-    env_seed: int | None
-    agent_seed: int | None
-    max_iter: int | None
-    init_state: Any
-    reset_options: dict[str, Any] | None
-    mix: str | None = None
 
 
 def chronic_names(env: Any) -> list[str] | None:

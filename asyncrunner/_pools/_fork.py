@@ -28,12 +28,11 @@ import anyio
 import anyio.to_thread
 from anyio import BrokenWorkerProcess
 
+from .._engine._pool import STOP_GRACE, WorkerPool
+
 __all__ = ["ForkPool", "available"]
 
 T = TypeVar("T")
-
-# Seconds an idle worker gets to exit on its own when the pool closes.
-_STOP_GRACE = 5.0
 
 
 def available() -> bool:
@@ -118,11 +117,13 @@ class _Worker:
         self.process.join()
 
 
-class ForkPool:
+class ForkPool(WorkerPool):
     """At most ``limiter.total_tokens`` workers forked from this process, kept between calls."""
 
+    died = (BrokenWorkerProcess,)
+
     def __init__(self, limiter: anyio.CapacityLimiter) -> None:
-        self._limiter = limiter
+        super().__init__(limiter)
         self._threads = anyio.CapacityLimiter(limiter.total_tokens)
         self._idle: list[_Worker] = []
         self._busy: set[_Worker] = set()
@@ -130,10 +131,11 @@ class ForkPool:
 
     @property
     def pids(self) -> set[int]:
+        """The pids of the live workers."""
         return {w.pid for w in (*self._idle, *self._busy)}
 
-    async def call(self, fn: Callable[..., T], *args: Any) -> T:
-        async with self._limiter:
+    async def submit(self, fn: Callable[..., T], *args: Any) -> T:
+        async with self.limiter:
             if self._idle:
                 worker = self._idle.pop()
             else:
@@ -160,7 +162,7 @@ class ForkPool:
             self._idle.append(worker)
             return result
 
-    async def aclose(self) -> None:
+    async def stop(self) -> None:
         """Stop the idle workers: pipe closed (clean exit), killed if still there after a grace."""
         idle, self._idle = self._idle, []
 
@@ -168,7 +170,7 @@ class ForkPool:
             for worker in idle:
                 worker.conn.close()
             for worker in idle:
-                worker.process.join(_STOP_GRACE)
+                worker.process.join(STOP_GRACE)
                 if worker.process.exitcode is None:
                     worker.process.kill()
                     worker.process.join()

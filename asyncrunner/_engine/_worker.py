@@ -1,10 +1,9 @@
 """What runs inside a worker process: the env cache, the per-episode reset contract, the step loop.
 
-Functions here are called in a worker (``_forkpool``, ``anyio.to_process`` or an executor) with
-picklable arguments. A worker builds the env of a recipe once and keeps it, never played
+Functions here are called in a worker (one of ``_pools``) with picklable arguments (``_recipe``). A worker builds the env of a recipe once and keeps it, never played
 (``_ENVS``); each episode plays a copy of it, the fresh env grid2op's Runner builds for every
-episode, so results match grid2op's Runner bit for bit. Steps go back in batches over the run's
-channel (``_channel``), not as return values.
+episode, so results match grid2op's Runner bit for bit. Steps go back in batches (``_batch``)
+over the run's channel (``_channel``), not as return values.
 When the agent lives in the orchestrator (``CentralAgent``), ``_RemoteAgent`` stands in for it:
 it sends each observation over the same channel and plays the action that comes back.
 """
@@ -14,124 +13,25 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import copy
-import io
 import os
 import pickle
 import threading
 import time
 import traceback
 import warnings
-from dataclasses import dataclass
 from typing import Any
 
-import cloudpickle
 import numpy as np
 
+from .._model import EpisodeFailed, EpisodeFinished, EpisodeStarted
 from . import _channel
-from ._events import EpisodeFailed, EpisodeFinished, EpisodeStarted, StepBatch
+from ._batch import Batcher, fill
+from ._recipe import EpisodeJob, Recipe
 
-__all__ = ["EpisodeJob", "Recipe", "dumps", "run_episode", "run_episodes", "warm"]
+__all__ = ["run_episode", "run_episodes", "warm"]
 
 # How many envs one worker keeps (a worker may serve several runners in turn).
 _MAX_ENVS = 2
-# A batch leaves when it holds this many steps, or when this many seconds passed since the last one.
-_BATCH_STEPS = 64
-_BATCH_SECONDS = 0.1
-
-
-@dataclass(frozen=True)
-class Recipe:
-    """How to build the env and the agent: grid2op's ``get_params_for_runner()`` plus the agent.
-
-    ``classes``: grid2op classes the parent made for the env, sent by value (``dumps``) so that
-    the worker's env uses them: a multimix's mixes all use the classes made from the first mix
-    (its generators' limits, ...), which a worker building another mix first would not.
-    """
-
-    params: dict[str, Any]
-    agent_kind: str  # "class" | "instance" | "factory" | "central" (agent: None)
-    agent: Any
-    classes: tuple[type, ...] = ()
-
-
-@dataclass(frozen=True)
-class EpisodeJob:
-    """One episode to play, as sent to a worker."""
-
-    address: str
-    token: str
-    run_id: str
-    recipe_key: str
-    recipe: bytes
-    index: int
-    attempt: int
-    episode_id: int | str
-    env_seed: int | None
-    agent_seed: int | None
-    max_iter: int | None
-    init_state: Any
-    reset_options: dict[str, Any] | None
-    detail: bool
-    mix: str | None = None
-
-
-def _grid_class(name: str, base: type, attributes: dict[str, Any]) -> type:
-    """The class grid2op made for an env (recreated, or found when this process has it)."""
-    from grid2op.Space import GridObjects
-
-    return type(GridObjects.init_grid_from_dict_for_pickle(name, base, attributes))
-
-
-def _grid_reduce(obj: Any) -> Any:
-    """How to rebuild a class grid2op created for an env, from its grid description (or None).
-
-    As grid2op pickles their instances: an agent instance holds its action space, whose
-    ``actionClass`` is such a class, which a fresh worker cannot import by name.
-    """
-    base = getattr(obj, "_INIT_GRID_CLS", None) if isinstance(obj, type) else None
-    if base is None:
-        return None
-    from grid2op.Space import GridObjects
-
-    if not issubclass(obj, GridObjects):
-        return None
-    attributes: dict[str, Any] = {}
-    GridObjects._make_cls_dict_extended(obj, attributes, as_list=False)
-    return _grid_class, (obj.__name__, base, attributes)
-
-
-class _GridPickler(pickle.Pickler):
-    """pickle, with grid2op's env classes by value."""
-
-    def reducer_override(self, obj: Any) -> Any:
-        return _grid_reduce(obj) or NotImplemented
-
-
-class _ByValuePickler(cloudpickle.Pickler):  # type: ignore[misc]  # cloudpickle is untyped
-    """cloudpickle, with grid2op's env classes by value: what workers cannot import goes too."""
-
-    def reducer_override(self, obj: Any) -> Any:
-        return _grid_reduce(obj) or super().reducer_override(obj)
-
-
-def dumps(obj: Any) -> bytes:
-    """``pickle.dumps`` for what goes to workers; ``pickle.loads`` reads it.
-
-    What a worker cannot import (a class or function defined in a function, a lambda) goes by
-    value (cloudpickle), as grid2op's forked processes simply inherit it. Plain pickle comes
-    first: cloudpickle would also send ``__main__``'s classes by value, with the globals their
-    methods use (a model the script loaded, that may not pickle), which workers already have.
-    """
-    try:
-        return _dump(_GridPickler, obj)
-    except Exception:
-        return _dump(_ByValuePickler, obj)
-
-
-def _dump(pickler: type[pickle.Pickler], obj: Any) -> bytes:
-    buffer = io.BytesIO()
-    pickler(buffer, protocol=5).dump(obj)
-    return buffer.getvalue()
 
 
 class _Cached:
@@ -239,7 +139,7 @@ class _RemoteAgent:
 
     def act(self, obs: Any, reward: float, done: bool = False) -> Any:
         job = self.job
-        _fill(self.row, obs)
+        fill(self.row, obs)
         call = _channel.AgentCall(
             run_id=job.run_id,
             index=job.index,
@@ -302,128 +202,6 @@ def warm(recipe_key: str, recipe_bytes: bytes) -> int:
     _get_env(recipe_key, recipe_bytes)
     _IN_USE.discard(recipe_key)
     return os.getpid()
-
-
-def _to_float(value: Any) -> float:
-    # grid2op's EpisodeData._convert_to_float
-    try:
-        return float(value)
-    except Exception:
-        return -float("inf")
-
-
-def _fill(row: np.ndarray, obj: Any) -> None:
-    """``row[:] = obj.to_vect()`` for an observation or an action, without intermediate arrays.
-
-    An action's injections live in its ``_dict_inj`` and unset ones take their class's default,
-    as in grid2op's ``BaseAction._get_array_from_attr_name``.
-    """
-    cls = type(obj)
-    injections = getattr(obj, "_dict_inj", {})
-    start = 0
-    for name in cls.attr_list_vect:
-        value = getattr(obj, name, None)
-        if value is None:
-            value = injections[name] if name in injections else cls._build_attr(name)
-        if isinstance(value, np.ndarray):
-            end = start + value.size
-            row[start:end] = value.ravel()
-            start = end
-        else:
-            row[start] = value
-            start += 1
-
-
-class _Batcher:
-    """Preallocated rows for the next StepBatch; flushed by size or age."""
-
-    def __init__(self, job: EpisodeJob, env: Any, n_other: int, send: Any) -> None:
-        from grid2op.dtypes import dt_bool, dt_float
-
-        self.job, self.send, self.detail = job, send, job.detail
-        n = _BATCH_STEPS if job.detail else 0
-        self.actions = np.full((n, env.action_space.n), np.nan, dtype=dt_float)
-        self.env_actions = np.full((n, env._helper_action_env.n), np.nan, dtype=dt_float)
-        self.observations = np.full((n, env.observation_space.n), np.nan, dtype=dt_float)
-        self.disc_lines = np.full((n, env.backend.n_line), np.nan, dtype=dt_bool)
-        self.disc_templ = np.full(env.backend.n_line, False, dtype=dt_bool)
-        self.attacks = np.zeros((n, env._opponent_action_space.n), dtype=dt_float)
-        self.other_rewards = np.zeros((n, n_other), dtype=np.float64)
-        self.rewards = np.zeros(_BATCH_STEPS, dtype=dt_float)
-        self.done = np.zeros(_BATCH_STEPS, dtype=bool)
-        self.legal = np.ones(_BATCH_STEPS, dtype=dt_bool)
-        self.ambiguous = np.zeros(_BATCH_STEPS, dtype=dt_bool)
-        self.agent_times = np.zeros(_BATCH_STEPS, dtype=dt_float)
-        self.n = 0
-        self.first_step = 1
-        self.last_flush = time.perf_counter()
-
-    def add(
-        self,
-        env: Any,
-        act: Any,
-        obs: Any,
-        reward: float,
-        done: bool,
-        info: dict[str, Any],
-        attack: Any,
-        agent_time: float,
-        names: tuple[str, ...],
-    ) -> None:
-        i = self.n
-        if self.detail:
-            _fill(self.actions[i], act)
-            _fill(self.env_actions[i], env._env_modification)
-            _fill(self.observations[i], obs)
-            if attack is not None:
-                _fill(self.attacks[i], attack)
-            else:
-                self.attacks[i] = 0.0
-            if "disc_lines" in info:
-                arr = info["disc_lines"]
-                self.disc_lines[i] = arr if arr is not None else self.disc_templ
-            else:
-                self.disc_lines[i] = True  # grid2op leaves its NaN-filled bool row
-            rewards = info.get("rewards", {})
-            for k, name in enumerate(names):
-                self.other_rewards[i, k] = _to_float(rewards.get(name, np.nan))
-        self.rewards[i] = reward
-        self.done[i] = done
-        self.legal[i] = not info["is_illegal"]
-        self.ambiguous[i] = info["is_ambiguous"]
-        self.agent_times[i] = agent_time
-        self.n += 1
-        if self.n == _BATCH_STEPS or done or time.perf_counter() - self.last_flush > _BATCH_SECONDS:
-            self.flush()
-
-    def flush(self) -> None:
-        n = self.n
-        if n == 0:
-            return
-        m = n if self.detail else 0
-        job = self.job
-        self.send(
-            StepBatch(
-                run_id=job.run_id,
-                index=job.index,
-                attempt=job.attempt,
-                first_step=self.first_step,
-                actions=self.actions[:m].copy(),
-                env_actions=self.env_actions[:m].copy(),
-                observations=self.observations[:m].copy(),
-                rewards=self.rewards[:n].copy(),
-                done=self.done[:n].copy(),
-                disc_lines=self.disc_lines[:m].copy(),
-                attacks=self.attacks[:m].copy(),
-                legal=self.legal[:n].copy(),
-                ambiguous=self.ambiguous[:n].copy(),
-                agent_times=self.agent_times[:n].copy(),
-                other_rewards=self.other_rewards[:m].copy(),
-            )
-        )
-        self.first_step += n
-        self.n = 0
-        self.last_flush = time.perf_counter()
 
 
 def _reset_options(job: EpisodeJob) -> dict[str, Any]:
@@ -498,35 +276,8 @@ def _play_on(job: EpisodeJob, env: Any, cached: _Cached, send: Any) -> int:
     agent.reset(obs)
     chronics = env.chronics_handler
     max_ts = max(chronics.max_timestep(), 0)
-    send(
-        EpisodeStarted(
-            run_id=job.run_id,
-            index=job.index,
-            attempt=job.attempt,
-            chronics_path=str(chronics.get_id()),
-            name=str(chronics.get_name()),
-            max_ts=int(max_ts),
-            env_seed=job.env_seed,
-            agent_seed=job.agent_seed,
-            worker=os.getpid(),
-            env_builds=_BUILDS,
-            observation=obs.to_vect() if job.detail else np.empty(0, dtype=dt_float),
-            parameters=env.parameters.to_dict(),
-            meta={
-                "chronics_max_timestep": str(chronics.max_timestep()),
-                "grid_path": str(env._init_grid_path),
-                "backend_type": type(env.backend).__name__,
-                "env_type": type(env).__name__,
-            },
-            other_reward_names=names,
-            episode_id=job.episode_id,
-            max_iter=job.max_iter,
-            max_episode_duration=int(env.max_episode_duration()),
-            action_space_seed=env.action_space.seed_used,
-            mix=job.mix,
-        )
-    )
-    batch = _Batcher(job, env, len(names), send)
+    send(_started(job, env, obs, names, max_ts))
+    batch = Batcher(job, env, len(names), send)
     can_skip = type(env).CAN_SKIP_TS
     time_step = 0
     time_act = 0.0
@@ -566,31 +317,76 @@ def _play_on(job: EpisodeJob, env: Any, cached: _Cached, send: Any) -> int:
         raise
     end_ = time.perf_counter()
     batch.flush()
-    send(
-        EpisodeFinished(
-            run_id=job.run_id,
-            index=job.index,
-            attempt=job.attempt,
-            chronics_path=str(chronics.get_id()),
-            name=str(chronics.get_name()),
-            cum_reward=float(cum_reward),
-            nb_time_step=int(time_step),
-            max_ts=int(max_ts),
-            env_seed=job.env_seed,
-            agent_seed=job.agent_seed,
-            nb_highres_sim=int(env.nb_highres_called),
-            times={
-                "Env": {
-                    "total": float(
-                        env._time_apply_act + env._time_powerflow + env._time_extract_obs
-                    ),
-                    "apply_act": float(env._time_apply_act),
-                    "powerflow_computation": float(env._time_powerflow),
-                    "observation_computation": float(env._time_extract_obs),
-                },
-                "Agent": {"total": float(time_act)},
-                "total": float(end_ - beg_),
-            },
-        )
-    )
+    send(_finished(job, env, cum_reward, time_step, max_ts, time_act, end_ - beg_))
     return time_step
+
+
+def _started(
+    job: EpisodeJob, env: Any, obs: Any, names: tuple[str, ...], max_ts: int
+) -> EpisodeStarted:
+    """The start of an episode just reset: what grid2op's EpisodeData records of it."""
+    from grid2op.dtypes import dt_float
+
+    chronics = env.chronics_handler
+    return EpisodeStarted(
+        run_id=job.run_id,
+        index=job.index,
+        attempt=job.attempt,
+        chronics_path=str(chronics.get_id()),
+        name=str(chronics.get_name()),
+        max_ts=int(max_ts),
+        env_seed=job.env_seed,
+        agent_seed=job.agent_seed,
+        worker=os.getpid(),
+        env_builds=_BUILDS,
+        observation=obs.to_vect() if job.detail else np.empty(0, dtype=dt_float),
+        parameters=env.parameters.to_dict(),
+        meta={
+            "chronics_max_timestep": str(chronics.max_timestep()),
+            "grid_path": str(env._init_grid_path),
+            "backend_type": type(env.backend).__name__,
+            "env_type": type(env).__name__,
+        },
+        other_reward_names=names,
+        episode_id=job.episode_id,
+        max_iter=job.max_iter,
+        max_episode_duration=int(env.max_episode_duration()),
+        action_space_seed=env.action_space.seed_used,
+        mix=job.mix,
+    )
+
+
+def _finished(
+    job: EpisodeJob,
+    env: Any,
+    cum_reward: Any,
+    time_step: int,
+    max_ts: int,
+    time_act: float,
+    total: float,
+) -> EpisodeFinished:
+    """The end of an episode played: grid2op's ``episode_times.json`` among it."""
+    chronics = env.chronics_handler
+    return EpisodeFinished(
+        run_id=job.run_id,
+        index=job.index,
+        attempt=job.attempt,
+        chronics_path=str(chronics.get_id()),
+        name=str(chronics.get_name()),
+        cum_reward=float(cum_reward),
+        nb_time_step=int(time_step),
+        max_ts=int(max_ts),
+        env_seed=job.env_seed,
+        agent_seed=job.agent_seed,
+        nb_highres_sim=int(env.nb_highres_called),
+        times={
+            "Env": {
+                "total": float(env._time_apply_act + env._time_powerflow + env._time_extract_obs),
+                "apply_act": float(env._time_apply_act),
+                "powerflow_computation": float(env._time_powerflow),
+                "observation_computation": float(env._time_extract_obs),
+            },
+            "Agent": {"total": float(time_act)},
+            "total": float(total),
+        },
+    )

@@ -16,9 +16,9 @@ import anyio
 import anyio.to_thread
 import numpy as np
 
-from ._events import EpisodeFinished, EpisodeStarted
-from .sinks._compact import compact_capacity, compact_content
-from .sinks._episode_data import BufferingSink, _EpisodeBuffer
+from .._model import EpisodeFinished, EpisodeStarted
+from ._buffer import BufferingSink, EpisodeBuffer
+from ._compact import compact_capacity, compact_content
 
 __all__ = ["DetailCollector", "compact_episode_data", "episode_data"]
 
@@ -45,12 +45,12 @@ class DetailCollector(BufferingSink):
     def _capacity(self, started: EpisodeStarted) -> int:
         return compact_capacity(started) if self.compact else super()._capacity(started)
 
-    async def _finished(self, buffer: _EpisodeBuffer, finished: EpisodeFinished) -> None:
+    async def _finished(self, buffer: EpisodeBuffer, finished: EpisodeFinished) -> None:
         self.data[finished.index] = await anyio.to_thread.run_sync(
             self._build, buffer, finished, limiter=self._limiter
         )
 
-    def _build(self, buffer: _EpisodeBuffer, finished: EpisodeFinished) -> Any:
+    def _build(self, buffer: EpisodeBuffer, finished: EpisodeFinished) -> Any:
         mix = buffer.started.mix
         env = self.env_for(mix)
         obs_space = self._obs_spaces.get(mix)
@@ -70,9 +70,7 @@ def serializable_observation_space(env: Any) -> Any:
     return holder.observation_space
 
 
-def episode_data(
-    env: Any, obs_space: Any, buffer: _EpisodeBuffer, finished: EpisodeFinished
-) -> Any:
+def episode_data(env: Any, obs_space: Any, buffer: EpisodeBuffer, finished: EpisodeFinished) -> Any:
     """The ``EpisodeData`` grid2op's Runner returns for this episode (``add_detailed_output``).
 
     Same arrays (shapes, padding, dtypes), attributes and objects: actions, environment
@@ -144,7 +142,7 @@ def episode_data(
 
 
 def compact_episode_data(
-    env: Any, obs_space: Any, buffer: _EpisodeBuffer, finished: EpisodeFinished
+    env: Any, obs_space: Any, buffer: EpisodeBuffer, finished: EpisodeFinished
 ) -> Any:
     """The ``CompactEpisodeData`` grid2op's Runner returns (``use_compact_episode_data=True``)."""
     from grid2op.Episode import CompactEpisodeData

@@ -50,35 +50,28 @@ Where it differs from grid2op's Runner:
 
 from __future__ import annotations
 
-import functools
 import numbers
 import operator
 import os
-import threading
 import warnings
-from collections.abc import Awaitable, Callable, Sequence
-from concurrent.futures import Future
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
-import anyio
-import anyio.abc
 import numpy as np
 from grid2op.Action import BaseAction
 from grid2op.Exceptions import ChronicsError, EnvError, Grid2OpException
 from grid2op.Runner import Runner as _GridRunner
 
-from ._events import EpisodeStarted, Event, StepBatch
-from ._plan import MAX_ENV_SEED, chronic_names
-from ._results import EpisodeResult
-from ._runner import AsyncRunner
-from ._worker import dumps
-from .sinks import CompactEpisodeWriter, EpisodeDataWriter
-from .sinks._base import Sink
+from .._engine._recipe import dumps
+from .._model import EpisodeResult
+from .._plan._arguments import MAX_ENV_SEED, chronic_names
+from .._runner import AsyncRunner
+from ..sinks._base import Sink
+from ._session import Session
+from ._sinks import ReplacingCompactWriter, ReplacingWriter, Sum64
 
 __all__ = ["Runner"]
-
-T = TypeVar("T")
 
 KEY_TIME_SERIE_ID = "time serie id"
 # Runner methods that build the env: a subclass overriding one plays in-process (grid2op's code).
@@ -113,7 +106,7 @@ class Runner(_GridRunner):  # type: ignore[misc]  # grid2op is untyped (Any base
     documentation for the pool's lifetime and the few differences with grid2op.
     """
 
-    _ar_session: _Session | None = None
+    _ar_session: Session | None = None
     _ar_env: Any = None
     _ar_keep = False
     # Set while grid2op's own _run_sequential plays here: its run_one_episode calls stay here.
@@ -518,9 +511,9 @@ class Runner(_GridRunner):  # type: ignore[misc]  # grid2op is untyped (Any base
         sinks: list[Sink] = []
         if path_save is not None:
             writer: Sink
-            writer = _ReplacingCompactWriter(path_save) if compact else _ReplacingWriter(path_save)
+            writer = ReplacingCompactWriter(path_save) if compact else ReplacingWriter(path_save)
             sinks.append(writer)
-        sums = _Sum64() if compact else None
+        sums = Sum64() if compact else None
         if sums is not None:
             sinks.append(sums)
         kwargs: dict[str, Any] = dict(
@@ -571,7 +564,7 @@ class Runner(_GridRunner):  # type: ignore[misc]  # grid2op is untyped (Any base
         runner = AsyncRunner(view, agent=agent, workers=workers)
         session = self._ar_session if keep else None
         if session is None:
-            session = _Session()
+            session = Session()
             if keep:
                 self._ar_session = session
         try:
@@ -705,127 +698,3 @@ class _EnvView:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._env, name)
-
-
-class _Session:
-    """An event loop in a thread of its own (anyio's blocking portal) and the pool it hosts.
-
-    The pool (an entered ``AsyncRunner``) lives in one task of that loop, from ``__aenter__`` to
-    ``aclose``, as anyio wants; runs are other tasks that use it.
-    """
-
-    def __init__(self) -> None:
-        from anyio.from_thread import start_blocking_portal
-
-        self._portal_cm = start_blocking_portal(name="asyncrunner-compat")
-        self.portal = self._portal_cm.__enter__()
-        self.runner: AsyncRunner | None = None
-        self._keeper: tuple[Future[None], anyio.Event] | None = None
-
-    def run(self, runner: AsyncRunner, kwargs: dict[str, Any]) -> list[EpisodeResult]:
-        """``runner.run(**kwargs)`` on the pool (``runner``'s, unless one alike is already up)."""
-        current = self.runner
-        if (
-            current is None
-            or current._recipes != runner._recipes
-            or current.workers != runner.workers
-        ):
-            self._stop_pool()
-            future, stop = self.portal.start_task(_keep, runner)
-            self._keeper = (future, stop)
-            self.runner = current = runner
-        return self._call(functools.partial(current.run, **kwargs))
-
-    def _call(self, fn: Callable[[], Awaitable[T]]) -> T:
-        """Run ``fn()`` on the loop and wait; interrupted (Ctrl+C), it cancels the run."""
-        finished = threading.Event()
-
-        async def task() -> T:
-            try:
-                return await fn()
-            finally:
-                finished.set()
-
-        future = self.portal.start_task_soon(task)
-        try:
-            return future.result()
-        except BaseException:
-            if not future.done():
-                future.cancel()
-                finished.wait(30)
-            raise
-
-    def _stop_pool(self) -> None:
-        keeper, self._keeper = self._keeper, None
-        self.runner = None
-        if keeper is not None:
-            future, stop = keeper
-            self.portal.call(stop.set)
-            future.result()
-
-    def close(self) -> None:
-        try:
-            self._stop_pool()
-        finally:
-            self._portal_cm.__exit__(None, None, None)
-
-
-async def _keep(
-    runner: AsyncRunner,
-    *,
-    task_status: anyio.abc.TaskStatus[anyio.Event] = anyio.TASK_STATUS_IGNORED,
-) -> None:
-    """Hold ``runner``'s pool open until the returned event is set."""
-    stop = anyio.Event()
-    async with runner:
-        task_status.started(stop)
-        await stop.wait()
-
-
-class _ReplacingWriter(EpisodeDataWriter):
-    """grid2op's saving: an episode replaces the folder of its chronic's name (atomically)."""
-
-    def _move_into_place(self, folder: str, name: str) -> str:
-        target = os.path.join(self.path, name)
-        aside = self._new_tmp(self.path)
-        try:
-            with self._lock:
-                if os.path.lexists(target):
-                    os.rename(target, aside)
-                os.rename(folder, target)
-        finally:
-            self._remove([aside])
-        return target
-
-
-class _ReplacingCompactWriter(CompactEpisodeWriter):
-    """grid2op's compact saving: an episode replaces the files of its chronic's name."""
-
-    def _move_into_place(self, tmp_meta: str, tmp_npz: str, name: str) -> str:
-        meta_path = os.path.join(self.folder, f"{name}_metadata.json")
-        npz_path = os.path.join(self.folder, f"{name}.npz")
-        with self._lock:
-            os.replace(tmp_meta, meta_path)
-            os.replace(tmp_npz, npz_path)
-        return npz_path
-
-
-class _Sum64(Sink):
-    """Each episode's cumulative reward summed in float64, as ``CompactEpisodeData`` sums it."""
-
-    needs_steps = False
-
-    def __init__(self) -> None:
-        self.sums: dict[int, float] = {}
-        self._attempts: dict[int, int] = {}
-
-    async def send(self, event: Event) -> None:
-        if isinstance(event, StepBatch):
-            if self._attempts.get(event.index) == event.attempt:
-                total = self.sums[event.index]
-                for reward in event.rewards.tolist():
-                    total += float(reward)
-                self.sums[event.index] = total
-        elif isinstance(event, EpisodeStarted):
-            self.sums[event.index] = 0.0
-            self._attempts[event.index] = event.attempt

@@ -8,17 +8,14 @@ every mix (or the ``(mix, episode id)`` pairs given as ``episode_id``), each res
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any, TypeGuard
 
-from ._events import Event
-from ._plan import EpisodeRequest, _check_id, plan_episodes
-from ._results import EpisodeResult
-from .sinks._base import Sink
+from .._model import EpisodeRequest
+from ._arguments import _check_id, plan_episodes
 
-__all__ = ["OnlyMix", "mixes_of", "plan_mixes", "resume_mixes", "runner_params"]
+__all__ = ["mixes_of", "plan_mixes", "runner_params"]
 
 
 def mixes_of(env: Any) -> dict[str, Any] | None:
@@ -83,52 +80,3 @@ def plan_mixes(
         for request in plan_episodes(nb_episode, names=mix_names, episode_id=episode_id, **kwargs):
             requests.append(replace(request, index=len(requests), mix=mix))
     return requests
-
-
-def resume_mixes(
-    requests: Sequence[EpisodeRequest],
-    path: str,
-    names: Mapping[str, list[str] | None],
-    agent: str | None,
-) -> tuple[list[EpisodeRequest], list[EpisodeResult]]:
-    """``resume_plan`` mix by mix, each in its own ``path/<mix>`` folder."""
-    from .sinks._episode_data import resume_plan
-
-    todo: list[EpisodeRequest] = []
-    done: list[EpisodeResult] = []
-    for mix, mix_names in names.items():
-        mine = [r for r in requests if r.mix == mix]
-        if not mine:
-            continue
-        left, found = resume_plan(mine, os.path.join(path, mix), mix_names, agent)
-        todo.extend(left)
-        done.extend(replace(r, mix=mix) for r in found)
-    todo.sort(key=lambda r: r.index)
-    return todo, done
-
-
-class OnlyMix(Sink):
-    """Passes ``sink`` the run-level events and the events of one mix's episodes."""
-
-    def __init__(self, sink: Sink, mix: str, mix_of: Mapping[int, str | None]) -> None:
-        self.sink = sink
-        self.mix = mix
-        self._mix_of = mix_of
-        self.needs_steps = getattr(sink, "needs_steps", True)
-
-    def __repr__(self) -> str:
-        return f"OnlyMix({self.sink!r}, {self.mix!r})"
-
-    @property
-    def paths(self) -> dict[int, str]:
-        """The wrapped sink's saved paths (by request index), if it has any."""
-        paths: dict[int, str] = getattr(self.sink, "paths", {})
-        return paths
-
-    async def send(self, event: Event) -> None:
-        index = getattr(event, "index", None)
-        if index is None or self._mix_of.get(index) == self.mix:
-            await self.sink.send(event)
-
-    async def aclose(self) -> None:
-        await self.sink.aclose()

@@ -11,70 +11,79 @@ Episodes are handed out one at a time: a dispatcher that finishes takes the next
 from __future__ import annotations
 
 import secrets
-from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import replace
-from typing import TYPE_CHECKING, Any, Literal
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Any, Literal
 
 import anyio
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from ._central import serving
-from ._channel import Channel, open_channel
-from ._events import (
+from .._exceptions import EpisodeError, SinkError, leaves
+from .._model import (
     EpisodeFailed,
     EpisodeFinished,
+    EpisodeRequest,
+    EpisodeResult,
     EpisodeStarted,
     Event,
     RunFinished,
     RunStarted,
     StepBatch,
 )
-from ._exceptions import EpisodeError, SinkError, leaves
-from ._plan import EpisodeRequest
-from ._results import EpisodeResult
-from ._worker import EpisodeJob, run_episode, run_episodes
-from .sinks._base import Sink
+from ..sinks._base import Sink
+from ._central import CentralAgent, serving
+from ._channel import Channel, open_channel
+from ._pool import WorkerDied, WorkerPool
+from ._recipe import EpisodeJob
 
-if TYPE_CHECKING:
-    from ._runner import AsyncRunner
-
-__all__ = ["Run"]
+__all__ = ["Run", "RunSettings"]
 
 # Events a sink may have waiting before the run waits for it (backpressure).
 SINK_BUFFER = 32
-# Errors of the dispatch machinery that mean "the worker process is gone": retried.
-_WORKER_DIED = (
-    "BrokenWorkerProcess",
-    "BrokenProcessPool",
-    "ChannelClosed",
-    "KilledWorker",  # Dask: the task's workers kept dying
-    "WorkerLost",  # Dask: the worker died and Dask re-ran the task (see _dask)
-)
+
+
+@dataclass(frozen=True)
+class RunSettings:
+    """How one run plays its requests, checked by ``AsyncRunner``.
+
+    ``recipes``: each mix's pickled env and agent recipe, ``(key, bytes)``; ``agent``: the
+    agent's recorded name; ``central``: the ``CentralAgent`` serving the workers, if any;
+    ``env_for(mix)``: the parent's env of a mix; ``spaces``: ``RunStarted.spaces``; ``detail``:
+    whether the workers send the steps.
+    """
+
+    sinks: Sequence[Sink]
+    on_error: Literal["raise", "continue"]
+    retries: int
+    episode_timeout: float | None
+    detail: bool
+    recipes: Mapping[str | None, tuple[str, bytes]]
+    agent: str | None
+    central: CentralAgent | None
+    env_for: Callable[[str | None], Any]
+    spaces: Mapping[str, Any]
 
 
 class Run:
-    """The state of one ``run()`` / ``stream()`` call."""
+    """The state of one ``run()`` / ``stream()`` call: ``requests`` played on ``pool``."""
 
     def __init__(
         self,
-        runner: AsyncRunner,
+        pool: WorkerPool,
         requests: Sequence[EpisodeRequest],
+        settings: RunSettings,
         *,
-        sinks: Sequence[Sink],
-        on_error: Literal["raise", "continue"],
-        retries: int,
-        episode_timeout: float | None,
-        detail: bool,
         skipped: Sequence[EpisodeResult] = (),
     ) -> None:
-        self.runner = runner
+        self.pool = pool
         self.requests = list(requests)
         self._by_index = {r.index: r for r in self.requests}
-        self.sinks = list(sinks)
-        self.on_error = on_error
-        self.retries = retries
-        self.episode_timeout = episode_timeout
-        self.detail = detail
+        self.settings = settings
+        self.sinks = list(settings.sinks)
+        self.on_error = settings.on_error
+        self.retries = settings.retries
+        self.episode_timeout = settings.episode_timeout
+        self.detail = settings.detail
         self.run_id = secrets.token_hex(6)
         self.results: dict[int, EpisodeResult] = {r.index: r for r in skipped}
         self.failure: EpisodeFailed | None = None
@@ -91,14 +100,12 @@ class Run:
         self, out: MemoryObjectSendStream[Event] | None = None
     ) -> list[EpisodeResult]:
         """Play every request; returns the results in request order (raises under ``"raise"``)."""
-        spaces = await self.runner._spaces() if self.detail else {}
         sink_sends: list[MemoryObjectSendStream[Event]] = []
-        dask = self.runner._dask
         async with (
-            open_channel(listen=None if dask is None else dask.listen) as channel,
-            serving(self.runner._central, channel, self._env_of) as self._agent,
+            open_channel(listen=self.pool.listen) as channel,
+            serving(self.settings.central, channel, self._env_of) as self._agent,
         ):
-            self.runner._watch(channel)
+            channel.pids = self.pool.served  # the workers say who they are when they connect
             try:
                 async with anyio.create_task_group() as sink_group:
                     for sink in self.sinks:
@@ -109,7 +116,7 @@ class Run:
                     if out is not None:
                         targets.append(out.send)
                     emit = _fan_out(targets)
-                    agent = self.runner._agent_name
+                    agent, spaces = self.settings.agent, self.settings.spaces
                     await emit(RunStarted(self.run_id, len(self.requests), spaces, agent))
                     await self._dispatch_and_collect(channel, emit)
                     await emit(RunFinished(self.run_id, tuple(self._ordered())))
@@ -131,7 +138,7 @@ class Run:
         return results
 
     def _env_of(self, index: int) -> Any:
-        return self.runner._env_for(self._by_index[index].mix)
+        return self.settings.env_for(self._by_index[index].mix)
 
     def _ordered(self) -> list[EpisodeResult]:
         return [self.results[i] for i in sorted(self.results)]
@@ -139,7 +146,7 @@ class Run:
     def _with_paths(self, results: list[EpisodeResult]) -> list[EpisodeResult]:
         paths: dict[int, str] = {}
         for sink in self.sinks:
-            paths.update(getattr(sink, "paths", {}))
+            paths.update(sink.saved)
         return [replace(r, path=paths.get(r.index, r.path)) for r in results]
 
     async def _dispatch_and_collect(
@@ -152,7 +159,7 @@ class Run:
             send.send_nowait(request)
         send.close()
         async with anyio.create_task_group() as dispatchers, receive:
-            for _ in range(min(self.runner.workers, len(self.requests))):
+            for _ in range(min(self.pool.workers, len(self.requests))):
                 dispatchers.start_soon(self._dispatch, receive.clone(), channel)
             async for event in channel.receive:
                 await self._collect(event, emit)
@@ -185,34 +192,18 @@ class Run:
             self._last_step[key] = event.first_step + len(event) - 1
         elif isinstance(event, EpisodeFinished):
             self._closed.add(key)
-            self.results[event.index] = EpisodeResult(
-                index=event.index,
-                chronics_path=event.chronics_path,
-                name=event.name,
-                cum_reward=event.cum_reward,
-                nb_time_step=event.nb_time_step,
-                max_ts=event.max_ts,
-                env_seed=event.env_seed,
-                agent_seed=event.agent_seed,
-                nb_highres_sim=event.nb_highres_sim,
-                mix=self._by_index[event.index].mix,
-            )
+            mix = self._by_index[event.index].mix
+            self.results[event.index] = EpisodeResult.of_finished(event, mix=mix)
             self._remaining -= 1
         elif isinstance(event, EpisodeFailed):
             self._closed.add(key)
             if not event.retrying:
                 request = self._by_index[event.index]
-                started = self._started.get(event.index)
-                self.results[event.index] = EpisodeResult(
-                    index=event.index,
-                    chronics_path=None if started is None else started.chronics_path,
-                    name=None if started is None else started.name,
-                    cum_reward=0.0,
-                    nb_time_step=event.step,
-                    max_ts=0 if started is None else started.max_ts,
+                self.results[event.index] = EpisodeResult.of_failed(
+                    event,
+                    self._started.get(event.index),
                     env_seed=request.env_seed,
                     agent_seed=request.agent_seed,
-                    error=event,
                     mix=request.mix,
                 )
                 self._remaining -= 1
@@ -232,15 +223,16 @@ class Run:
     async def _dispatch(
         self, requests: MemoryObjectReceiveStream[EpisodeRequest], channel: Channel
     ) -> None:
-        central = self.runner._central
-        # Dask claims each attempt on the channel (see _dask): one episode per task there.
-        per_worker = 1 if central is None or self.runner._dask else central.envs_per_worker
+        central = self.settings.central
+        per_worker = 1
+        if central is not None and self.pool.groups_episodes:
+            per_worker = central.envs_per_worker
         async with requests:
             async for request in requests:
                 group = [request]
                 # Share the run among the workers rather than fill the first ones (and leave
                 # a last, smaller group to play alone at the end).
-                size = min(per_worker, -(-len(self.requests) // self.runner.workers))
+                size = min(per_worker, -(-len(self.requests) // self.pool.workers))
                 while len(group) < size:
                     try:
                         group.append(requests.receive_nowait())
@@ -249,7 +241,7 @@ class Run:
                 await self._play(group, channel)
 
     def _job(self, request: EpisodeRequest, attempt: int, channel: Channel) -> EpisodeJob:
-        recipe_key, recipe = self.runner._recipe_for(request.mix)
+        recipe_key, recipe = self.settings.recipes[request.mix]
         return EpisodeJob(
             address=channel.address,
             token=channel.token,
@@ -286,10 +278,7 @@ class Run:
                 with anyio.CancelScope() as scope:
                     for key in keys:
                         self._watchdogs[key] = scope
-                    if len(jobs) == 1:  # the Dask executor knows this one
-                        await self.runner._call(run_episode, jobs[0])
-                    else:
-                        await self.runner._call(run_episodes, jobs)
+                    await self.pool.play(jobs)
                 if scope.cancelled_caught:
                     raise TimeoutError
             except TimeoutError:
@@ -306,7 +295,8 @@ class Run:
                         )
                 return
             except Exception as exc:
-                died = type(exc).__name__ in _WORKER_DIED
+                died = isinstance(exc, WorkerDied)
+                error_type = exc.kind if isinstance(exc, WorkerDied) else type(exc).__name__
                 detail = message = str(exc) or repr(exc)
                 again = []
                 for request, key in zip(group, keys, strict=True):
@@ -322,9 +312,7 @@ class Run:
                             f"the worker process died ({detail}); {seen}: any steps it "
                             "played after that were lost with it"
                         )
-                    await self._fail(
-                        channel, request, key[1], type(exc).__name__, message, retrying
-                    )
+                    await self._fail(channel, request, key[1], error_type, message, retrying)
                     if retrying:
                         attempts[request.index] += 1
                         again.append(request)

@@ -24,16 +24,18 @@ import ipaddress
 import math
 import socket
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import anyio
 import anyio.to_thread
 
-from . import _channel
-from ._worker import EpisodeJob, run_episode
+from .._engine import _channel
+from .._engine._pool import WorkerPool
+from .._engine._recipe import EpisodeJob
+from .._engine._worker import run_episode
 
-__all__ = ["DaskExecutor", "WorkerLost", "as_dask"]
+__all__ = ["DaskExecutor", "DaskPool", "WorkerLost", "as_dask"]
 
 T = TypeVar("T")
 
@@ -178,17 +180,26 @@ class DaskExecutor:
             return self._client
 
     async def call(self, fn: Callable[..., T], *args: Any) -> T:
-        """Run ``fn(*args)`` as a task; an episode is claimed, stopped and retried as above."""
+        """Run ``fn(*args)`` as a task."""
+        key = f"asyncrunner-{getattr(fn, '__name__', 'call')}-{uuid.uuid4().hex}"
+        result: T = await self._run(fn, args, key, claim=None)
+        return result
+
+    async def play(self, job: EpisodeJob) -> None:
+        """Play one episode as a task, claimed, stopped and retried as above."""
+        key = f"asyncrunner-{job.run_id}-{job.index}-{job.attempt}"
+        claim = _claim_key(job)
+        if await self._run(_dask_episode, (job,), key, claim=(job.address, claim)) == _LOST:
+            raise WorkerLost("the Dask worker playing this episode died")
+
+    async def _run(
+        self,
+        task: Callable[..., Any],
+        args: tuple[Any, ...],
+        key: str,
+        claim: tuple[str, str] | None,
+    ) -> Any:
         client = await self._get_client()
-        claim: str | None = None
-        if fn is run_episode:
-            job: EpisodeJob = args[0]
-            claim = _claim_key(job)
-            task: Callable[..., Any] = _dask_episode
-            key = f"asyncrunner-{job.run_id}-{job.index}-{job.attempt}"
-        else:
-            task = fn
-            key = f"asyncrunner-{getattr(fn, '__name__', 'call')}-{uuid.uuid4().hex}"
         if client.asynchronous and not _on_asyncio():
             raise RuntimeError(
                 "an asynchronous Dask client lives on an asyncio loop: under trio, pass a "
@@ -212,16 +223,14 @@ class DaskExecutor:
             if not done:
                 with anyio.CancelScope(shield=True), anyio.move_on_after(5):
                     if claim is not None:
-                        channel = _channel.listening(args[0].address)
+                        channel = _channel.listening(claim[0])
                         if channel is not None:
-                            channel.drop(claim)
+                            channel.drop(claim[1])
                     if client.asynchronous:
                         await client.cancel([future])
                     else:
                         await anyio.to_thread.run_sync(future.cancel)
-        if claim is not None and result == _LOST:
-            raise WorkerLost("the Dask worker playing this episode died")
-        return result  # type: ignore[no-any-return]  # the task returns run_episode's T
+        return result
 
     async def aclose(self) -> None:
         """Close the client and cluster opened here (a client passed in is left open)."""
@@ -255,3 +264,29 @@ def as_dask(executor: Any) -> DaskExecutor | None:
     if cls.__module__.split(".")[0] == "distributed" and cls.__name__ == "Client":
         return DaskExecutor(executor)
     return None
+
+
+class DaskPool(WorkerPool):
+    """The ``WorkerPool`` of a ``DaskExecutor``: one episode per task (each attempt is claimed)."""
+
+    groups_episodes = False
+
+    def __init__(self, dask: DaskExecutor, limiter: anyio.CapacityLimiter) -> None:
+        super().__init__(limiter)
+        from distributed import KilledWorker  # the task's workers kept dying
+
+        self.dask = dask
+        self.listen = dask.listen
+        self.died = (KilledWorker, WorkerLost)
+
+    async def submit(self, fn: Callable[..., T], *args: Any) -> T:
+        async with self.limiter:
+            return await self.dask.call(fn, *args)
+
+    async def submit_episodes(self, jobs: Sequence[EpisodeJob]) -> None:
+        (job,) = jobs  # groups_episodes is False
+        async with self.limiter:
+            await self.dask.play(job)
+
+    async def stop(self) -> None:
+        await self.dask.aclose()  # a client or cluster it opened (yours stays open)

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import importlib
-import importlib.util
 import os
 import shlex
 import socket
@@ -20,59 +18,40 @@ import time
 import warnings
 from collections.abc import Sequence
 from dataclasses import replace as _replace
-from typing import Any, NoReturn
+from typing import Any
 
-from ._events import EpisodeFailed, EpisodeFinished, EpisodeStarted, Event, RunStarted
-from ._exceptions import EpisodeError
-from ._results import EpisodeResult
-from .sinks import Sink
+from .._exceptions import EpisodeError
+from .._model import (
+    EpisodeFailed,
+    EpisodeFinished,
+    EpisodeResult,
+    EpisodeStarted,
+    Event,
+    RunStarted,
+)
+from ..sinks import Sink
+from ._common import (
+    DEFAULT_ENV,
+    QUIET,
+    Parser,
+    UsageError,
+    at_least,
+    derive_seeds,
+    load_agent,
+    make_env,
+    one_line,
+    parse_max_iter,
+)
 
-__all__ = ["main"]
-
-DEFAULT_ENV = "l2rpn_case14_sandbox"
-# grid2op checks seeds against its integer type (int32).
-_MAX_SEED = 2**31 - 1
-# Warnings grid2op prints on every run of the default env; nothing a command-line user can act on.
-_QUIET = ("You are using a development environment", "Numba cannot be loaded")
-
-
-class _Parser(argparse.ArgumentParser):
-    """Errors as one line plus a pointer to ``--help``, instead of the whole usage block."""
-
-    def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: error: {message}\nTry '{self.prog} --help' for usage.\n")
-
-
-class _UsageError(Exception):
-    """A bad argument found after parsing (unknown agent, env that cannot be made, ...)."""
-
-
-def _count(minimum: int) -> Any:
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
-        return value
-
-    return parse
+__all__ = ["build_parser", "run_command"]
 
 
-def _max_iter(text: str) -> int:
-    value = _count(-1)(text)
-    if value == 0:
-        raise argparse.ArgumentTypeError("must be >= 1, or -1 for no limit, got 0")
-    return int(value)
-
-
-def _build_parser() -> tuple[_Parser, _Parser]:
-    parser = _Parser(
+def build_parser() -> tuple[Parser, Parser]:
+    parser = Parser(
         prog="asyncrunner",
         description="Run grid2op episodes concurrently in worker processes.",
     )
-    commands = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser)
     run = commands.add_parser(
         "run",
         help="play episodes of an agent on an env and print their results",
@@ -115,7 +94,7 @@ def _build_parser() -> tuple[_Parser, _Parser]:
     run.add_argument(
         "--episodes",
         "-n",
-        type=_count(0),
+        type=at_least(0),
         default=None,
         metavar="N",
         help="how many episodes to play (default: 2, or one per --episode-id)",
@@ -123,7 +102,7 @@ def _build_parser() -> tuple[_Parser, _Parser]:
     run.add_argument(
         "--workers",
         "-w",
-        type=_count(1),
+        type=at_least(1),
         default=None,
         metavar="N",
         help="episodes played at once, one worker process each (default: CPU count)",
@@ -139,20 +118,20 @@ def _build_parser() -> tuple[_Parser, _Parser]:
     )
     run.add_argument(
         "--dask-local",
-        type=_count(1),
+        type=at_least(1),
         default=None,
         metavar="N",
         help="play the episodes on a Dask LocalCluster of N single-threaded worker processes",
     )
     run.add_argument(
         "--seed",
-        type=_count(0),
+        type=at_least(0),
         default=None,
         help="derive every episode's env and agent seeds from this one (reproducible runs)",
     )
     run.add_argument(
         "--max-iter",
-        type=_max_iter,
+        type=parse_max_iter,
         default=None,
         metavar="N",
         help="stop each episode after N steps (-1: no limit; default: the env's own)",
@@ -204,53 +183,23 @@ def _build_parser() -> tuple[_Parser, _Parser]:
         add_help=False,
         help="score agents as grid2op's competition classes do, side by side",
     )
-    if _has_bench():
-        commands.add_parser(
-            "bench",
-            add_help=False,
-            help="compare with grid2op's Runner on your env and agent",
-        )
+    commands.add_parser(
+        "bench",
+        add_help=False,
+        help="compare with grid2op's Runner on your env and agent",
+    )
     return parser, run
-
-
-def _has_bench() -> bool:
-    return importlib.util.find_spec("asyncrunner._bench") is not None
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of ``asyncrunner`` and ``python -m asyncrunner``; returns the exit status."""
-    args_list = list(sys.argv[1:] if argv is None else argv)
-    if args_list[:1] == ["show"]:
-        from ._show import main as show
-
-        return show(args_list[1:])
-    if args_list[:1] == ["score"]:
-        from ._score_cli import main as score
-
-        return score(args_list[1:])
-    if args_list[:1] == ["bench"] and _has_bench():
-        bench = importlib.import_module("asyncrunner._bench")
-        return int(bench.main(args_list[1:]))
-    parser, run_parser = _build_parser()
-    args = parser.parse_args(args_list)
-    if args.command is None:
-        parser.error("choose a command: run, show")
-    try:
-        return _run_command(args, run_parser, args_list)
-    except KeyboardInterrupt:
-        print("asyncrunner: interrupted", file=sys.stderr)
-        return 130
 
 
 # --- run ---------------------------------------------------------------------------------------
 
 
-def _run_command(args: argparse.Namespace, parser: _Parser, argv: list[str]) -> int:
-    for message in _QUIET:
+def run_command(args: argparse.Namespace, parser: Parser, argv: list[str]) -> int:
+    for message in QUIET:
         warnings.filterwarnings("ignore", message=message)
     try:
         settings = _Settings(args)
-    except _UsageError as exc:
+    except UsageError as exc:
         parser.error(str(exc))
     try:
         if args.save is not None and not args.resume:
@@ -310,7 +259,7 @@ def _report_interrupt(settings: _Settings, args: argparse.Namespace, argv: list[
     tracker = settings.tracker
     done = [tracker.finished[i] for i in sorted(tracker.finished)]
     if args.save is not None:
-        from .sinks._episode_data import damage, saved_episodes
+        from .._plan._layout import damage, saved_episodes
 
         # What is really on disk: an episode that finished as the run was cancelled may not be.
         on_disk = {
@@ -346,23 +295,23 @@ class _Settings:
     """What ``run`` will do, checked and built before any worker starts."""
 
     def __init__(self, args: argparse.Namespace) -> None:
-        from ._plan import check_path_save, chronic_names, plan_episodes
-        from ._runner import AsyncRunner
+        from .._plan._arguments import check_path_save, chronic_names, plan_episodes
+        from .._runner import AsyncRunner
 
         # Everything that can be checked without the env first: building it takes seconds.
         if args.resume and args.save is None:
-            raise _UsageError("--resume needs --save DIR: the folder of the run to resume")
+            raise UsageError("--resume needs --save DIR: the folder of the run to resume")
         if args.scheduler is not None and args.dask_local is not None:
-            raise _UsageError("choose one of --scheduler and --dask-local")
-        agent = _load_agent(args.agent)
+            raise UsageError("choose one of --scheduler and --dask-local")
+        agent = load_agent(args.agent)
         if args.save is not None:
             try:
                 check_path_save(args.save)
             except (ValueError, TypeError) as exc:
-                raise _UsageError(str(exc).replace("`path_save`", "--save")) from None
+                raise UsageError(str(exc).replace("`path_save`", "--save")) from None
         if args.scheduler is not None:
             _check_scheduler(args.scheduler)
-        self.env = _make_env(args.env, test=args.test, backend=args.backend)
+        self.env = make_env(args.env, test=args.test, backend=args.backend)
         try:
             names = chronic_names(self.env)
             ids = None
@@ -372,11 +321,11 @@ class _Settings:
             if nb is None:
                 nb = 2 if ids is None else len(ids)
             if ids is not None and len(ids) != nb:
-                raise _UsageError(
+                raise UsageError(
                     f"--episode-id gives {len(ids)} ids but --episodes is {nb}: give one id per "
                     "episode, or leave --episodes out"
                 )
-            env_seeds, agent_seeds = _derive_seeds(args.seed, nb)
+            env_seeds, agent_seeds = derive_seeds(args.seed, nb)
             self.nb_episode = nb
             self.kwargs: dict[str, Any] = {
                 "max_iter": args.max_iter,
@@ -403,7 +352,7 @@ class _Settings:
             workers = args.workers
             if args.scheduler is not None or args.dask_local is not None:
                 try:
-                    from ._dask import DaskExecutor
+                    from .._pools._dask import DaskExecutor
 
                     executor = DaskExecutor(args.scheduler, local_workers=args.dask_local)
                 except ImportError as exc:
@@ -414,7 +363,7 @@ class _Settings:
             self.runner = AsyncRunner(self.env, agent=agent, workers=workers, executor=executor)
         except (ValueError, TypeError) as exc:
             self.env.close()
-            raise _UsageError(str(exc)) from None
+            raise UsageError(str(exc)) from None
         except BaseException:
             self.env.close()
             raise
@@ -457,44 +406,14 @@ class _Tracker(Sink):
                 self.first = time.perf_counter()
             self.started[event.index] = event
         elif isinstance(event, EpisodeFinished):
-            self.finished[event.index] = EpisodeResult(
-                index=event.index,
-                chronics_path=event.chronics_path,
-                name=event.name,
-                cum_reward=event.cum_reward,
-                nb_time_step=event.nb_time_step,
-                max_ts=event.max_ts,
-                env_seed=event.env_seed,
-                agent_seed=event.agent_seed,
-            )
+            self.finished[event.index] = EpisodeResult.of_finished(event)
 
     def failed_result(self, failure: EpisodeFailed, kwargs: dict[str, Any]) -> EpisodeResult:
         started = self.started.get(failure.index)
         seeds = [
             kwargs[k][failure.index] if kwargs[k] else None for k in ("env_seeds", "agent_seeds")
         ]
-        return EpisodeResult(
-            index=failure.index,
-            chronics_path=None if started is None else started.chronics_path,
-            name=None if started is None else started.name,
-            cum_reward=0.0,
-            nb_time_step=failure.step,
-            max_ts=0 if started is None else started.max_ts,
-            env_seed=seeds[0],
-            agent_seed=seeds[1],
-            error=failure,
-        )
-
-
-def _derive_seeds(seed: int | None, nb: int) -> tuple[list[int] | None, list[int] | None]:
-    if seed is None:
-        return None, None
-    import numpy as np
-
-    # One (env, agent) pair per episode, drawn in episode order: episode i gets the same seeds
-    # whatever the number of episodes.
-    pairs = np.random.default_rng(seed).integers(0, _MAX_SEED, size=(nb, 2), endpoint=True)
-    return [int(s) for s in pairs[:, 0]], [int(s) for s in pairs[:, 1]]
+        return EpisodeResult.of_failed(failure, started, env_seed=seeds[0], agent_seed=seeds[1])
 
 
 def _episode_id(text: str, names: list[str] | None) -> int | str:
@@ -505,82 +424,6 @@ def _episode_id(text: str, names: list[str] | None) -> int | str:
         return int(text)
     except ValueError:
         return text
-
-
-def _load_agent(spec: str) -> Any:
-    """``module:Name``, ``path/to/file.py:Name``, or a name from ``grid2op.Agent``."""
-    from ._runner import _agent_recipe
-
-    if ":" not in spec:
-        import grid2op.Agent
-
-        agent = getattr(grid2op.Agent, spec, None)
-        if agent is None:
-            raise _UsageError(
-                f"--agent {spec!r}: not an agent in grid2op.Agent; use module:Name or "
-                "path/to/file.py:Name"
-            )
-    else:
-        where, _, attr = spec.rpartition(":")
-        if not where or not attr:
-            raise _UsageError(f"--agent {spec!r}: expected module:Name or path/to/file.py:Name")
-        module = _import_file(where) if where.endswith(".py") else _import_module(where)
-        agent = module
-        for part in attr.split("."):
-            agent = getattr(agent, part, None)
-            if agent is None:
-                raise _UsageError(f"--agent {spec!r}: {where} has no attribute {attr!r}")
-    try:
-        _agent_recipe(agent)  # the runner's own checks (a BaseAgent subclass, not abstract, ...)
-    except TypeError as exc:
-        raise _UsageError(f"--agent {spec!r}: {exc}") from None
-    return agent
-
-
-def _import_module(name: str) -> Any:
-    if os.getcwd() not in sys.path and "" not in sys.path:
-        sys.path.insert(0, os.getcwd())  # as `python -m` does, so local modules are found
-    try:
-        return importlib.import_module(name)
-    except ModuleNotFoundError as exc:
-        if exc.name is not None and (name == exc.name or name.startswith(exc.name + ".")):
-            raise _UsageError(f"--agent: no module named {name!r}") from None
-        raise _UsageError(f"--agent: importing {name!r} failed: {_import_error(exc)}") from None
-    except Exception as exc:
-        raise _UsageError(f"--agent: importing {name!r} failed: {_import_error(exc)}") from None
-
-
-def _import_file(path: str) -> Any:
-    if not os.path.isfile(path):
-        raise _UsageError(f"--agent: no such file {path!r}")
-    folder, stem = os.path.split(os.path.abspath(path)[: -len(".py")])
-    known = sys.modules.get(stem)
-    if known is not None and os.path.abspath(getattr(known, "__file__", "") or "") != (
-        os.path.join(folder, stem + ".py")
-    ):
-        raise _UsageError(
-            f"--agent: {path!r} has the same name as the module {stem!r} already loaded; rename it"
-        )
-    # Workers import the agent's module by name (pickle), and receive our sys.path when they start.
-    sys.path.insert(0, folder)
-    try:
-        return importlib.import_module(stem)
-    except Exception as exc:
-        raise _UsageError(f"--agent: importing {path!r} failed: {_import_error(exc)}") from None
-
-
-def _import_error(exc: Exception) -> str:
-    """One line for an error raised while importing the agent's code, with where it happened."""
-    import traceback
-
-    if isinstance(exc, SyntaxError):
-        return f"SyntaxError: {exc.msg} ({exc.filename}, line {exc.lineno})"
-    where = ""
-    frames = traceback.extract_tb(exc.__traceback__)
-    if frames:
-        last = frames[-1]
-        where = f" ({last.filename}, line {last.lineno})"
-    return f"{type(exc).__name__}: {exc}{where}"
 
 
 def _check_scheduler(address: str) -> None:
@@ -596,80 +439,10 @@ def _check_scheduler(address: str) -> None:
             pass
     except (OSError, ValueError) as exc:
         reason = getattr(exc, "strerror", None) or str(exc) or type(exc).__name__
-        raise _UsageError(
+        raise UsageError(
             f"--scheduler {address}: no Dask scheduler reachable there ({reason}); start one "
             "with `dask scheduler`, or use --dask-local N"
         ) from None
-
-
-def _check_env_name(name: str, test: bool) -> None:
-    """Reject a name grid2op does not know offline, before grid2op tries to download it
-    (about 20 s of retries without a network), and suggest the closest known name."""
-    import difflib
-
-    import grid2op
-
-    if os.path.exists(name):
-        return
-    if os.sep in name or (os.altsep is not None and os.altsep in name):
-        raise _UsageError(f"no env folder {name!r}: give an env name or an existing folder")
-    tests = sorted(grid2op.list_available_test_env())
-    local_dir = grid2op.get_current_local_dir()
-    local = []
-    if os.path.isdir(local_dir):
-        local = sorted(
-            e for e in os.listdir(local_dir) if os.path.isdir(os.path.join(local_dir, e))
-        )
-    known = tests if test else sorted({*tests, *local})
-    if name in known:
-        return
-    close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
-    hint = f"did you mean {close[0]!r}? " if close else ""
-    if test:
-        raise _UsageError(f"unknown env {name!r}: {hint}(--test knows grid2op's test envs)")
-    raise _UsageError(
-        f"unknown env {name!r}: {hint}(known offline: grid2op's test envs and the folders in "
-        f"{local_dir}; to download another grid2op dataset, run grid2op.make({name!r}) once)"
-    )
-
-
-def _make_env(name: str, *, test: bool | None, backend: str | None) -> Any:
-    with warnings.catch_warnings():
-        for message in _QUIET:
-            warnings.filterwarnings("ignore", message=message)
-        import grid2op
-        from grid2op.Exceptions import Grid2OpException
-
-        if test is None:
-            test = name == DEFAULT_ENV
-        _check_env_name(name, test)
-        kwargs: dict[str, Any] = {"test": test}
-        backend_obj = _backend(backend)
-        if backend_obj is not None:
-            kwargs["backend"] = backend_obj
-        try:
-            return grid2op.make(name, **kwargs)
-        except Grid2OpException as exc:
-            text = str(exc).strip()
-            if text.startswith(type(exc).__name__):  # grid2op's errors repeat their class name
-                text = text[len(type(exc).__name__) :].strip().strip('"')
-            first = text.splitlines()[0] if text else type(exc).__name__
-            hint = "" if test else " (add --test for the copy shipped with grid2op)"
-            raise _UsageError(f"cannot make env {name!r}: {first}{hint}") from None
-
-
-def _backend(name: str | None) -> Any:
-    if name == "pandapower":
-        return None  # grid2op's default
-    try:
-        from lightsim2grid import LightSimBackend
-    except ImportError:
-        if name == "lightsim":
-            raise _UsageError(
-                "--backend lightsim needs lightsim2grid: pip install lightsim2grid"
-            ) from None
-        return None
-    return LightSimBackend()
 
 
 def _print_table(results: Sequence[EpisodeResult], *, seeded: bool) -> None:
@@ -684,7 +457,7 @@ def _print_table(results: Sequence[EpisodeResult], *, seeded: bool) -> None:
         if seeded:
             row += [str(r.env_seed), str(r.agent_seed)]
         error = r.error
-        row.append("" if error is None else _one_line(f"{error.error_type}: {error.message}"))
+        row.append("" if error is None else one_line(f"{error.error_type}: {error.message}"))
         rows.append(row)
     widths = [max([len(h), *(len(row[i]) for row in rows)]) for i, h in enumerate(header)]
     right = {0, 2, 3, 4, 5} if seeded else {0, 2, 3}
@@ -694,8 +467,3 @@ def _print_table(results: Sequence[EpisodeResult], *, seeded: bool) -> None:
             for i, cell in enumerate(row)
         ]
         print("  ".join(cells).rstrip())
-
-
-def _one_line(text: str, limit: int = 80) -> str:
-    line = " ".join(text.split())
-    return line if len(line) <= limit else line[: limit - 1] + "…"

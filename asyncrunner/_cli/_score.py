@@ -15,25 +15,25 @@ import warnings
 from collections.abc import Sequence
 from typing import Any
 
-from ._cli import (
-    _QUIET,
+from .._exceptions import EpisodeError
+from .._score._scoring import COMPETITIONS, ScoreResult, score
+from ._common import (
     DEFAULT_ENV,
-    _count,
-    _derive_seeds,
-    _load_agent,
-    _make_env,
-    _max_iter,
-    _Parser,
-    _UsageError,
+    QUIET,
+    Parser,
+    UsageError,
+    at_least,
+    derive_seeds,
+    load_agent,
+    make_env,
+    parse_max_iter,
 )
-from ._exceptions import EpisodeError
-from ._score import COMPETITIONS, ScoreResult, score
 
 __all__ = ["main"]
 
 
-def _parser() -> _Parser:
-    parser = _Parser(
+def _parser() -> Parser:
+    parser = Parser(
         prog="asyncrunner score",
         description=(
             "Score agents as grid2op's competition classes do (grid2op.utils.ScoreL2RPN2020, "
@@ -50,10 +50,10 @@ def _parser() -> _Parser:
         help="a grid2op.Agent name, module:Name or path/to/file.py:Name (repeat to compare)",
     )
     parser.add_argument("--competition", required=True, choices=sorted(COMPETITIONS))
-    parser.add_argument("--nb-scenario", type=_count(1), default=None, metavar="N")
-    parser.add_argument("--max-step", type=_max_iter, default=None, metavar="M")
-    parser.add_argument("--seed", type=_count(0), default=None, metavar="S")
-    parser.add_argument("--workers", type=_count(1), default=None, metavar="W")
+    parser.add_argument("--nb-scenario", type=at_least(1), default=None, metavar="N")
+    parser.add_argument("--max-step", type=parse_max_iter, default=None, metavar="M")
+    parser.add_argument("--seed", type=at_least(0), default=None, metavar="S")
+    parser.add_argument("--workers", type=at_least(1), default=None, metavar="W")
     parser.add_argument("--save", default=None, metavar="DIR", help="one folder per agent")
     parser.add_argument("--resume", action="store_true", help="with --save: complete a score")
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
@@ -66,7 +66,7 @@ def _parser() -> _Parser:
 
 def main(argv: Sequence[str]) -> int:
     """Entry point of ``asyncrunner score``; returns the exit status."""
-    for message in _QUIET:
+    for message in QUIET:
         warnings.filterwarnings("ignore", message=message)
     parser = _parser()
     args = parser.parse_args(list(argv))
@@ -75,9 +75,9 @@ def main(argv: Sequence[str]) -> int:
     if args.plot is not None and not args.plot.lower().endswith(".png"):
         parser.error(f"--plot writes a PNG file: give a name ending in .png, not {args.plot!r}")
     try:
-        agents = [_load_agent(spec) for spec in args.agent]
-        env = _make_env(args.env, test=args.test, backend=args.backend)
-    except _UsageError as exc:
+        agents = [load_agent(spec) for spec in args.agent]
+        env = make_env(args.env, test=args.test, backend=args.backend)
+    except UsageError as exc:
         parser.error(str(exc))
     try:
         nb = args.nb_scenario
@@ -85,7 +85,7 @@ def main(argv: Sequence[str]) -> int:
         if args.seed is not None:
             if nb is None:
                 parser.error("--seed needs --nb-scenario N (one seed pair per scenario)")
-            seeds = _derive_seeds(args.seed, nb)
+            seeds = derive_seeds(args.seed, nb)
         results = asyncio.run(
             score(
                 env,

@@ -1,38 +1,29 @@
-"""``asyncrunner.score``: grid2op's competition scores (``grid2op.utils.Score*``) on warm pools.
-
-grid2op's score classes play two reference agents in their constructor (DoNothing, and
-RecoPowerline with ``NO_OVERFLOW_DISCONNECTION``), cache their ``EpisodeStatistics`` in the env's
-folder, then play the agent in ``get``: three phases, each with a new Runner. Here every episode
-(references and agents) is played at once. An ``AsyncRunner`` plays one agent on one env
-recipe, so there is one runner per (agent, parametrisation), all running concurrently in one
-task group and sharing the ``workers`` budget.
-
-The arithmetic stays grid2op's: the reference episodes go through ``EpisodeStatistics.compute``'s
-own post-processing (grid2op's layout, in our cache folder rather than the env's), and each
-episode's score is the score class's own ``_compute_episode_score``.
-"""
+"""grid2op's side of scoring: its score classes, the reference agents they play, and their
+``EpisodeStatistics`` (computed by grid2op's own code, cached in our folder)."""
 
 from __future__ import annotations
 
 import copy
-import functools
 import hashlib
 import inspect
 import json
 import os
 import shutil
 import tempfile
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
-import anyio
-import anyio.to_thread
+from .._plan._arguments import check_path_save, chronic_names
 
-from ._plan import check_path_save, chronic_names
-from ._runner import AsyncRunner
-
-__all__ = ["COMPETITIONS", "ScenarioScore", "ScoreResult", "score"]
+__all__ = [
+    "COMPETITIONS",
+    "ScorePlan",
+    "agent_label",
+    "compute_stats",
+    "default_cache_dir",
+    "grid2op_scores",
+]
 
 # Competition name -> grid2op's class (in grid2op.utils).
 COMPETITIONS = {
@@ -41,48 +32,8 @@ COMPETITIONS = {
     "l2rpn_2023": "ScoreL2RPN2023",
     "icaps_2021": "ScoreICAPS2021",
 }
-# What each entry of a per-scenario score tuple holds, after the score itself.
-_COMPONENTS = {
-    "l2rpn_2023": ("operational", "renewables", "assistant"),
-    "icaps_2021": ("operational", "alarm"),
-}
 # Marks a cache entry grid2op's post-processing finished writing (written last).
 _COMPLETE = ".asyncrunner_complete"
-
-
-@dataclass(frozen=True)
-class ScenarioScore:
-    """One scenario's score: ``components`` are the competition's sub-scores (may be empty)."""
-
-    name: str
-    score: float
-    components: Mapping[str, float]
-    steps_survived: int
-    total_steps: int
-
-
-@dataclass(frozen=True)
-class ScoreResult:
-    """An agent's score: ``total`` is the mean of the scenarios' scores.
-
-    ``references_reused``: the reference statistics came from the cache. ``path``: the folder of
-    the agent's episodes (EpisodeData format), when ``path_save`` was given.
-    """
-
-    agent: str
-    competition: str
-    scenarios: tuple[ScenarioScore, ...]
-    references_reused: bool
-    path: str | None
-    grid2op_result: tuple[Any, ...] = field(repr=False)
-
-    @property
-    def total(self) -> float:
-        return sum(s.score for s in self.scenarios) / len(self.scenarios)
-
-    def as_grid2op(self) -> tuple[Any, ...]:
-        """What grid2op's ``Score*.get(agent)`` returns: ``(scores, ts_survived, total_ts)``."""
-        return self.grid2op_result
 
 
 @dataclass
@@ -107,102 +58,8 @@ def agent_label(agent: Any) -> str:
     return name if isinstance(name, str) else type(agent).__name__
 
 
-async def score(
-    env: Any,
-    agents: Any,
-    *,
-    competition: str,
-    nb_scenario: int | None = None,
-    max_step: int | None = None,
-    env_seeds: Sequence[int] | None = None,
-    agent_seeds: Sequence[int] | None = None,
-    workers: int | None = None,
-    path_save: str | os.PathLike[str] | None = None,
-    resume: bool = False,
-    cache_dir: str | os.PathLike[str] | None = None,
-) -> list[ScoreResult]:
-    """Score each of ``agents`` as grid2op's class for ``competition`` does; one result each.
-
-    ``agents``: one agent or a list, each as ``AsyncRunner(agent=...)`` takes it. Other
-    arguments mean what they mean for grid2op's class (``max_step``: steps per scenario).
-    ``workers``: worker processes in all (at least one per runner). ``path_save``: one folder per
-    agent and per reference, EpisodeData format; ``resume`` completes them. Reference statistics
-    are cached in ``cache_dir`` (default ``~/.cache/asyncrunner/scores``), keyed by everything
-    that changes them.
-    """
-    if competition not in COMPETITIONS:
-        raise ValueError(
-            f"unknown competition {competition!r}: choose one of {', '.join(COMPETITIONS)}"
-        )
-    agent_list = list(agents) if isinstance(agents, (list, tuple)) else [agents]
-    if not agent_list:
-        raise ValueError("`agents` is empty: pass an agent or a list of agents")
-    if resume and path_save is None:
-        raise ValueError("`resume=True` needs `path_save`: the folder of the score to resume")
-    if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int)):
-        raise ValueError(f"`workers` must be an integer >= 1, got {workers!r}")
-    if workers is not None and workers < 1:
-        raise ValueError(f"`workers` must be an integer >= 1, got {workers!r}")
-    plan = await anyio.to_thread.run_sync(
-        functools.partial(
-            _Plan.make, env, agent_list, competition=competition, nb_scenario=nb_scenario,
-            max_step=max_step, env_seeds=env_seeds, agent_seeds=agent_seeds,
-            path_save=path_save, cache_dir=cache_dir,
-        )
-    )  # fmt: skip
-    try:
-        return await _play_and_score(plan, competition, env_seeds, agent_seeds, workers, resume)
-    finally:
-        # Shielded: a cancelled score still closes its env copies and removes its temp folder.
-        with anyio.CancelScope(shield=True):
-            await anyio.to_thread.run_sync(plan.close)
-
-
-async def _play_and_score(
-    plan: _Plan,
-    competition: str,
-    env_seeds: Sequence[int] | None,
-    agent_seeds: Sequence[int] | None,
-    workers: int | None,
-    resume: bool,
-) -> list[ScoreResult]:
-    total = workers if workers is not None else (os.cpu_count() or 1)
-    # The runners share the workers budget (at least one process each).
-    each = max(1, min(plan.nb, total // len(plan.jobs)))
-    results: list[Any] = [None] * len(plan.jobs)
-
-    async def play(i: int, folder: str, job_env: Any, agent: Any) -> None:
-        async with AsyncRunner(job_env, agent=agent, workers=each) as runner:
-            results[i] = await runner.run(
-                plan.nb,
-                path_save=os.path.join(plan.root, folder),
-                max_iter=plan.max_iter,
-                env_seeds=env_seeds,
-                agent_seeds=agent_seeds,
-                resume=resume,
-            )
-
-    async with anyio.create_task_group() as group:
-        for i, (folder, job_env, agent) in enumerate(plan.jobs):
-            group.start_soon(play, i, folder, job_env, agent)
-    scorer = plan.scorer
-    for ref, episodes in zip(plan.todo, results, strict=False):
-        await anyio.to_thread.run_sync(
-            _compute_stats, scorer, ref, os.path.join(plan.root, ref.name), episodes, env_seeds,
-            agent_seeds,
-        )  # fmt: skip
-    for ref in plan.refs:
-        setattr(scorer, ref.attr, ref.stats)
-    scored = []
-    for label, episodes in zip(plan.labels, results[len(plan.todo) :], strict=True):
-        raw = await anyio.to_thread.run_sync(_grid2op_scores, scorer, episodes)
-        path = None if plan.tmp is not None else os.path.join(plan.root, label)
-        scored.append(_result(label, competition, raw, episodes, reused=not plan.todo, path=path))
-    return scored
-
-
 @dataclass
-class _Plan:
+class ScorePlan:
     """What a score plays, built before any worker starts (off the event loop: it reads files
     and copies the env)."""
 
@@ -230,7 +87,7 @@ class _Plan:
         agent_seeds: Sequence[int] | None,
         path_save: str | os.PathLike[str] | None,
         cache_dir: str | os.PathLike[str] | None,
-    ) -> _Plan:
+    ) -> ScorePlan:
         from grid2op.Agent import DoNothingAgent
 
         scorer, refs = _scorer(
@@ -409,7 +266,7 @@ def _scored_env(env: Any, scorer: Any, parameters: Any, envs: dict[str, Any]) ->
     return scored
 
 
-def _compute_stats(
+def compute_stats(
     scorer: Any,
     ref: _Reference,
     played: str,
@@ -450,7 +307,7 @@ def _compute_stats(
         f.write("written by asyncrunner.score once grid2op's post-processing finished\n")
 
 
-def _grid2op_scores(scorer: Any, episodes: Sequence[Any]) -> tuple[Any, ...]:
+def grid2op_scores(scorer: Any, episodes: Sequence[Any]) -> tuple[Any, ...]:
     """``get``'s loop over the scenarios, on the agent's saved episodes (grid2op reads the same
     two files from the folders its Runner saves)."""
     from grid2op.Episode import EpisodeData
@@ -475,28 +332,3 @@ def _grid2op_scores(scorer: Any, episodes: Sequence[Any]) -> tuple[Any, ...]:
         ts_survived.append(survived)
         total_ts.append(total)
     return all_scores, ts_survived, total_ts
-
-
-def _result(
-    label: str,
-    competition: str,
-    raw: tuple[Any, ...],
-    episodes: Sequence[Any],
-    *,
-    reused: bool,
-    path: str | None,
-) -> ScoreResult:
-    names = _COMPONENTS.get(competition, ())
-    scenarios = []
-    for value, survived, total, episode in zip(*raw, episodes, strict=True):
-        parts = tuple(value) if names else (value,)
-        scenarios.append(
-            ScenarioScore(
-                name=str(episode.name),
-                score=float(parts[0]),
-                components={n: float(v) for n, v in zip(names, parts[1:], strict=True)},
-                steps_survived=int(survived),
-                total_steps=int(total),
-            )
-        )
-    return ScoreResult(label, competition, tuple(scenarios), reused, path, raw)

@@ -1,0 +1,353 @@
+"""``asyncrunner bench``: AsyncRunner side by side with grid2op's Runner, on your env and agent.
+
+One invocation plays the same episodes (same chronics, env seeds and agent seeds, same
+``max_iter``) with each contender, one after the other:
+
+1. the bare loop: ``env.reset`` then ``agent.act`` / ``env.step`` in this process, on a copy of the
+   env, nothing saved (timed from each reset to the episode's end): what one worker can do at
+   most;
+2. grid2op's ``Runner`` with ``nb_process=N`` and ``path_save`` (a temporary folder), timed from
+   its construction to the return of ``run``;
+3. ``AsyncRunner`` with ``workers=N`` and ``path_save``: *cold* (timed from the construction of the
+   runner, so the start of its worker processes and the building of their envs count) and *warm*
+   (a second ``run()`` on the same runner, to a fresh ``path_save``); a ``CallbackSink`` notes
+   when each worker's first episode starts;
+4. two more warm runs for the streaming cost: one with no sink at all (no ``path_save``), one
+   with every sink ``asyncrunner.sinks`` provides (episode writers, a progress bar writing to
+   ``os.devnull``, a ``LoggingSink`` at INFO into a ``NullHandler``, a ``CallbackSink``).
+
+The AsyncRunner runs are then played again (a new runner, cold then warm) with a task beside
+them that sleeps 1 ms in a loop and records how late it wakes up: the event loop's lag, what a
+web app sharing the loop would feel. The timed runs have no ticker: its thousand wake-ups a
+second cost this process CPU that, on a machine with no spare core, the workers would lose. Since every contender plays the
+same episodes, a ratio of steps/s is also the ratio of episodes/s (and the inverse ratio of times).
+
+``--json`` prints one JSON object instead of the table (its layout: ``_bench_report``).
+
+Exit status: 0, 1 when a contender failed or the contenders' results disagree, 2 for bad
+arguments. Benchmark numbers are noisy on a busy machine: compare ratios from one invocation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import json
+import os
+import platform
+import sys
+import traceback
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+import anyio
+
+from ._bench_contenders import (
+    TICK,
+    BareLoopFailed,
+    Plan,
+    Timing,
+    asyncrunner_runs,
+    bare_loop,
+    grid2op_runner,
+    progress,
+)
+from ._bench_report import (
+    JSON_VERSION,
+    KEYS,
+    agreement,
+    first_line,
+    print_report,
+    ratios,
+    streaming_cost,
+    unwrap_single,
+)
+from ._common import (
+    DEFAULT_ENV,
+    QUIET,
+    Parser,
+    UsageError,
+    at_least,
+    derive_seeds,
+    load_agent,
+    make_env,
+    parse_max_iter,
+)
+
+__all__ = ["main"]
+
+_MB = 1024 * 1024
+
+
+# --- command line ----------------------------------------------------------------------------
+
+
+def build_parser() -> Parser:
+    parser = Parser(
+        prog="asyncrunner bench",
+        description=(
+            "Play the same episodes with a bare step loop (one process), grid2op's Runner "
+            "(nb_process=N) and AsyncRunner (workers=N, cold then warm), and print steps/s, "
+            "episodes/s, their ratios, the event loop's lag, the first-step latency, the cost of "
+            "the sinks and this process's memory."
+        ),
+    )
+    parser.add_argument(
+        "--env", default=DEFAULT_ENV, help=f"grid2op env name or path (default: {DEFAULT_ENV})"
+    )
+    parser.add_argument(
+        "--test",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help=f"grid2op.make(..., test=True); default: on for {DEFAULT_ENV}, off otherwise",
+    )
+    parser.add_argument(
+        "--backend",
+        choices=("lightsim", "pandapower"),
+        default=None,
+        help="power flow backend (default: lightsim when lightsim2grid is installed)",
+    )
+    parser.add_argument(
+        "--agent",
+        default="DoNothingAgent",
+        metavar="SPEC",
+        help=(
+            "module:Name, path/to/file.py:Name, or the name of an agent in grid2op.Agent "
+            "(default: DoNothingAgent)"
+        ),
+    )
+    parser.add_argument(
+        "--episodes", "-n", type=at_least(1), default=6, metavar="N", help="episodes (default: 6)"
+    )
+    parser.add_argument(
+        "--workers",
+        "-w",
+        type=at_least(1),
+        default=2,
+        metavar="N",
+        help="AsyncRunner workers and grid2op nb_process (default: 2)",
+    )
+    parser.add_argument(
+        "--max-iter",
+        type=parse_max_iter,
+        default=None,
+        metavar="N",
+        help="stop each episode after N steps (-1: no limit; default: the env's own)",
+    )
+    parser.add_argument(
+        "--seed",
+        type=at_least(0),
+        default=0,
+        help="derive every episode's env and agent seeds from this one (default: 0)",
+    )
+    parser.add_argument(
+        "--loop",
+        choices=("asyncio", "trio"),
+        default="asyncio",
+        help="event loop the AsyncRunner runs on (default: asyncio)",
+    )
+    parser.add_argument(
+        "--lag-probe",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help=(
+            "play the AsyncRunner runs a second time beside a 1 ms ticker to measure the event "
+            "loop's lag (default: on; --no-lag-probe skips that second pass)"
+        ),
+    )
+    parser.add_argument(
+        "--skip-grid2op", action="store_true", help="do not run grid2op's Runner (quicker)"
+    )
+    parser.add_argument(
+        "--json", action="store_true", help="print one JSON object (keys: see the module doc)"
+    )
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``asyncrunner bench [options]``; returns the exit status."""
+    parser = build_parser()
+    args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+    with warnings.catch_warnings():
+        for message in QUIET:
+            warnings.filterwarnings("ignore", message=message)
+        try:
+            report = _bench(args)
+        except UsageError as exc:
+            parser.error(str(exc))
+        except BareLoopFailed as exc:
+            print(exc.detail, file=sys.stderr, end="")
+            print(
+                f"asyncrunner bench: the bare loop failed, nothing to compare: {exc}",
+                file=sys.stderr,
+            )
+            return 1
+        except KeyboardInterrupt:
+            print("asyncrunner bench: interrupted", file=sys.stderr)
+            return 130
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        print_report(report)
+    failed = {name: error for name, error in report["errors"].items() if error is not None}
+    labels = {"grid2op": "grid2op's Runner", "asyncrunner": "AsyncRunner"}
+    for name, error in failed.items():
+        print(f"asyncrunner bench: {labels[name]} failed: {error}", file=sys.stderr)
+    if failed:
+        return 1
+    agreement = report["agreement"]
+    if agreement["steps_agree"] is False or agreement["results_agree"] is False:
+        return 1
+    return 0
+
+
+def _bench(args: argparse.Namespace) -> dict[str, Any]:
+    from .._plan._arguments import chronic_names
+
+    rss_start = _rss("VmRSS")
+    agent = load_agent(args.agent)
+    env = make_env(args.env, test=args.test, backend=args.backend)
+    try:
+        names = chronic_names(env)
+        env_seeds, agent_seeds = derive_seeds(args.seed, args.episodes)
+        assert env_seeds is not None and agent_seeds is not None
+        plan = Plan(
+            nb_episode=args.episodes,
+            workers=args.workers,
+            max_iter=args.max_iter,
+            episode_ids=[i % len(names) for i in range(args.episodes)] if names else None,
+            env_seeds=env_seeds,
+            agent_seeds=agent_seeds,
+        )
+        report: dict[str, Any] = dict.fromkeys(KEYS)
+        report["version"] = JSON_VERSION
+        report["config"] = _config(args, env, plan)
+        errors: dict[str, str | None] = {"grid2op": None, "asyncrunner": None}
+        report["errors"] = errors
+        progress(f"bare loop: {plan.nb_episode} episodes in this process")
+        try:
+            bare, bare_results = bare_loop(env, agent, plan)
+        except Exception as exc:
+            raise BareLoopFailed(
+                first_line(f"{type(exc).__name__}: {exc}"), traceback.format_exc()
+            ) from None
+        report["bare_loop"] = bare.as_dict()
+        g2op: Timing | None = None
+        g2op_results: list[tuple[str, int, float]] | None = None
+        if not args.skip_grid2op:
+            progress(f"grid2op's Runner, nb_process={plan.workers}")
+            try:
+                g2op, g2op_results = grid2op_runner(env, agent, plan)
+            except Exception as exc:
+                errors["grid2op"] = first_line(f"{type(exc).__name__}: {exc}")
+        report["grid2op"] = None if g2op is None else g2op.as_dict()
+        rss_before = _rss("VmRSS")
+        hwm_reset = _reset_peak_rss()
+        ours: dict[str, Any] = {}
+        our_results: dict[str, list[tuple[str, int, float]]] = {}
+        probe: dict[str, Any] = {
+            "enabled": args.lag_probe,
+            "tick_ms": TICK * 1000,
+            "cpu_us_per_wakeup": None,
+        }
+        report["lag_probe"] = probe
+        try:
+            anyio.run(
+                asyncrunner_runs, env, agent, plan, ours, our_results, probe, backend=args.loop
+            )
+        except Exception as exc:
+            leaf = unwrap_single(exc)
+            errors["asyncrunner"] = first_line(f"{type(leaf).__name__}: {leaf}")
+        rss_after = _rss("VmRSS")
+        report["asyncrunner"] = {
+            key: ours.get(key) for key in ("cold", "warm", "warm_no_sinks", "warm_all_sinks")
+        }
+    finally:
+        env.close()
+    report["ratios"] = ratios(report, plan.workers)
+    report["streaming_cost"] = streaming_cost(report)
+    report["agreement"] = agreement(bare_results, g2op_results, our_results)
+    report["memory"] = {
+        "ru_maxrss_mb": _ru_maxrss_mb(),
+        "rss_start_mb": rss_start,
+        "rss_before_asyncrunner_mb": rss_before,
+        "rss_after_asyncrunner_mb": rss_after,
+        "peak_during_asyncrunner_mb": _rss("VmHWM") if hwm_reset else None,
+    }
+    return report
+
+
+def _config(args: argparse.Namespace, env: Any, plan: Plan) -> dict[str, Any]:
+    return {
+        "env": args.env,
+        "test": bool(args.test if args.test is not None else args.env == DEFAULT_ENV),
+        "backend": _backend_name(env.backend),
+        "agent": args.agent,
+        "episodes": plan.nb_episode,
+        "workers": plan.workers,
+        "max_iter": plan.max_iter,
+        "seed": args.seed,
+        "loop": args.loop,
+        "episode_ids": plan.episode_ids,
+        "env_seeds": plan.env_seeds,
+        "agent_seeds": plan.agent_seeds,
+        "cpu_count": os.cpu_count(),
+        "versions": {
+            "python": platform.python_version(),
+            **{
+                name: _version(name)
+                for name in ("grid2op", "lightsim2grid", "anyio", "asyncrunner")
+            },
+        },
+    }
+
+
+def _backend_name(backend: Any) -> str:
+    # grid2op renames the backend's class per env ("LightSimBackend_<env name>...").
+    cls = type(backend)
+    for base in cls.__mro__[1:]:
+        if cls.__name__.startswith(base.__name__ + "_"):
+            return base.__name__
+    return cls.__name__
+
+
+def _version(name: str) -> str | None:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+# --- memory ------------------------------------------------------------------------------------
+
+
+def _rss(field_name: str) -> float | None:
+    """``VmRSS`` / ``VmHWM`` of this process in MiB, from ``/proc/self/status`` (Linux)."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith(field_name + ":"):
+                    return int(line.split()[1]) * 1024 / _MB
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _reset_peak_rss() -> bool:
+    """Reset ``VmHWM`` to the current RSS (Linux ``clear_refs`` 5); whether it worked."""
+    try:
+        with open("/proc/self/clear_refs", "w") as clear:
+            clear.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def _ru_maxrss_mb() -> float | None:
+    try:
+        import resource
+    except ImportError:  # Windows
+        return None
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / _MB if sys.platform == "darwin" else peak * 1024 / _MB  # bytes vs KiB

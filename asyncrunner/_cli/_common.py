@@ -1,0 +1,224 @@
+"""What the commands share: the argument parser class, the one-line usage error, argument types,
+loading an agent and making an env from the command line, one-line messages."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import os
+import sys
+import warnings
+from typing import Any, NoReturn
+
+__all__ = [
+    "DEFAULT_ENV",
+    "QUIET",
+    "Parser",
+    "UsageError",
+    "at_least",
+    "derive_seeds",
+    "load_agent",
+    "make_env",
+    "one_line",
+    "parse_max_iter",
+]
+
+DEFAULT_ENV = "l2rpn_case14_sandbox"
+# grid2op checks seeds against its integer type (int32).
+_MAX_SEED = 2**31 - 1
+# Warnings grid2op prints on every run of the default env; nothing a command-line user can act on.
+QUIET = ("You are using a development environment", "Numba cannot be loaded")
+
+
+class Parser(argparse.ArgumentParser):
+    """Errors as one line plus a pointer to ``--help``, instead of the whole usage block."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\nTry '{self.prog} --help' for usage.\n")
+
+
+class UsageError(Exception):
+    """A bad argument found after parsing (unknown agent, env that cannot be made, ...)."""
+
+
+def at_least(minimum: int) -> Any:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
+        return value
+
+    return parse
+
+
+def parse_max_iter(text: str) -> int:
+    value = at_least(-1)(text)
+    if value == 0:
+        raise argparse.ArgumentTypeError("must be >= 1, or -1 for no limit, got 0")
+    return int(value)
+
+
+def derive_seeds(seed: int | None, nb: int) -> tuple[list[int] | None, list[int] | None]:
+    if seed is None:
+        return None, None
+    import numpy as np
+
+    # One (env, agent) pair per episode, drawn in episode order: episode i gets the same seeds
+    # whatever the number of episodes.
+    pairs = np.random.default_rng(seed).integers(0, _MAX_SEED, size=(nb, 2), endpoint=True)
+    return [int(s) for s in pairs[:, 0]], [int(s) for s in pairs[:, 1]]
+
+
+def load_agent(spec: str) -> Any:
+    """``module:Name``, ``path/to/file.py:Name``, or a name from ``grid2op.Agent``."""
+    from .._engine._recipe import agent_recipe
+
+    if ":" not in spec:
+        import grid2op.Agent
+
+        agent = getattr(grid2op.Agent, spec, None)
+        if agent is None:
+            raise UsageError(
+                f"--agent {spec!r}: not an agent in grid2op.Agent; use module:Name or "
+                "path/to/file.py:Name"
+            )
+    else:
+        where, _, attr = spec.rpartition(":")
+        if not where or not attr:
+            raise UsageError(f"--agent {spec!r}: expected module:Name or path/to/file.py:Name")
+        module = _import_file(where) if where.endswith(".py") else _import_module(where)
+        agent = module
+        for part in attr.split("."):
+            agent = getattr(agent, part, None)
+            if agent is None:
+                raise UsageError(f"--agent {spec!r}: {where} has no attribute {attr!r}")
+    try:
+        agent_recipe(agent)  # the runner's own checks (a BaseAgent subclass, not abstract, ...)
+    except TypeError as exc:
+        raise UsageError(f"--agent {spec!r}: {exc}") from None
+    return agent
+
+
+def _import_module(name: str) -> Any:
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())  # as `python -m` does, so local modules are found
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as exc:
+        if exc.name is not None and (name == exc.name or name.startswith(exc.name + ".")):
+            raise UsageError(f"--agent: no module named {name!r}") from None
+        raise UsageError(f"--agent: importing {name!r} failed: {_import_error(exc)}") from None
+    except Exception as exc:
+        raise UsageError(f"--agent: importing {name!r} failed: {_import_error(exc)}") from None
+
+
+def _import_file(path: str) -> Any:
+    if not os.path.isfile(path):
+        raise UsageError(f"--agent: no such file {path!r}")
+    folder, stem = os.path.split(os.path.abspath(path)[: -len(".py")])
+    known = sys.modules.get(stem)
+    if known is not None and os.path.abspath(getattr(known, "__file__", "") or "") != (
+        os.path.join(folder, stem + ".py")
+    ):
+        raise UsageError(
+            f"--agent: {path!r} has the same name as the module {stem!r} already loaded; rename it"
+        )
+    # Workers import the agent's module by name (pickle), and receive our sys.path when they start.
+    sys.path.insert(0, folder)
+    try:
+        return importlib.import_module(stem)
+    except Exception as exc:
+        raise UsageError(f"--agent: importing {path!r} failed: {_import_error(exc)}") from None
+
+
+def _import_error(exc: Exception) -> str:
+    """One line for an error raised while importing the agent's code, with where it happened."""
+    import traceback
+
+    if isinstance(exc, SyntaxError):
+        return f"SyntaxError: {exc.msg} ({exc.filename}, line {exc.lineno})"
+    where = ""
+    frames = traceback.extract_tb(exc.__traceback__)
+    if frames:
+        last = frames[-1]
+        where = f" ({last.filename}, line {last.lineno})"
+    return f"{type(exc).__name__}: {exc}{where}"
+
+
+def _check_env_name(name: str, test: bool) -> None:
+    """Reject a name grid2op does not know offline, before grid2op tries to download it
+    (about 20 s of retries without a network), and suggest the closest known name."""
+    import difflib
+
+    import grid2op
+
+    if os.path.exists(name):
+        return
+    if os.sep in name or (os.altsep is not None and os.altsep in name):
+        raise UsageError(f"no env folder {name!r}: give an env name or an existing folder")
+    tests = sorted(grid2op.list_available_test_env())
+    local_dir = grid2op.get_current_local_dir()
+    local = []
+    if os.path.isdir(local_dir):
+        local = sorted(
+            e for e in os.listdir(local_dir) if os.path.isdir(os.path.join(local_dir, e))
+        )
+    known = tests if test else sorted({*tests, *local})
+    if name in known:
+        return
+    close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
+    hint = f"did you mean {close[0]!r}? " if close else ""
+    if test:
+        raise UsageError(f"unknown env {name!r}: {hint}(--test knows grid2op's test envs)")
+    raise UsageError(
+        f"unknown env {name!r}: {hint}(known offline: grid2op's test envs and the folders in "
+        f"{local_dir}; to download another grid2op dataset, run grid2op.make({name!r}) once)"
+    )
+
+
+def make_env(name: str, *, test: bool | None, backend: str | None) -> Any:
+    with warnings.catch_warnings():
+        for message in QUIET:
+            warnings.filterwarnings("ignore", message=message)
+        import grid2op
+        from grid2op.Exceptions import Grid2OpException
+
+        if test is None:
+            test = name == DEFAULT_ENV
+        _check_env_name(name, test)
+        kwargs: dict[str, Any] = {"test": test}
+        backend_obj = _backend(backend)
+        if backend_obj is not None:
+            kwargs["backend"] = backend_obj
+        try:
+            return grid2op.make(name, **kwargs)
+        except Grid2OpException as exc:
+            text = str(exc).strip()
+            if text.startswith(type(exc).__name__):  # grid2op's errors repeat their class name
+                text = text[len(type(exc).__name__) :].strip().strip('"')
+            first = text.splitlines()[0] if text else type(exc).__name__
+            hint = "" if test else " (add --test for the copy shipped with grid2op)"
+            raise UsageError(f"cannot make env {name!r}: {first}{hint}") from None
+
+
+def _backend(name: str | None) -> Any:
+    if name == "pandapower":
+        return None  # grid2op's default
+    try:
+        from lightsim2grid import LightSimBackend
+    except ImportError:
+        if name == "lightsim":
+            raise UsageError(
+                "--backend lightsim needs lightsim2grid: pip install lightsim2grid"
+            ) from None
+        return None
+    return LightSimBackend()
+
+
+def one_line(text: str, limit: int = 80) -> str:
+    line = " ".join(text.split())
+    return line if len(line) <= limit else line[: limit - 1] + "…"

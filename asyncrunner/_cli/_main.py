@@ -1,0 +1,37 @@
+"""``main``: the entry point of ``asyncrunner`` and ``python -m asyncrunner``, which hands each
+command to its module (imported only when it runs: ``show`` and ``score`` start without grid2op)."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+
+__all__ = ["main"]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``asyncrunner`` and ``python -m asyncrunner``; returns the exit status."""
+    args_list = list(sys.argv[1:] if argv is None else argv)
+    if args_list[:1] == ["show"]:
+        from ._show import main as show
+
+        return show(args_list[1:])
+    if args_list[:1] == ["score"]:
+        from ._score import main as score
+
+        return score(args_list[1:])
+    if args_list[:1] == ["bench"]:
+        from ._bench import main as bench
+
+        return bench(args_list[1:])
+    from ._run import build_parser, run_command
+
+    parser, run_parser = build_parser()
+    args = parser.parse_args(args_list)
+    if args.command is None:
+        parser.error("choose a command: run, show")
+    try:
+        return run_command(args, run_parser, args_list)
+    except KeyboardInterrupt:
+        print("asyncrunner: interrupted", file=sys.stderr)
+        return 130

@@ -1,0 +1,139 @@
+"""``WorkerPool``: the one interface the dispatcher plays episodes through.
+
+The kinds live in ``_pools/`` (forked processes, fresh interpreters, a ``concurrent.futures``
+executor, Dask); ``AsyncRunner`` picks one. A pool says where a run's channel listens for its
+workers, whether one call may play several episodes, and which of its errors mean "the worker
+process is gone": ``play`` turns those into ``WorkerDied``, which the dispatcher retries.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+import anyio
+from anyio.abc import TaskGroup
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+
+from ._channel import ChannelClosed
+from ._recipe import EpisodeJob
+from ._worker import run_episode, run_episodes
+
+__all__ = ["WorkerDied", "WorkerPool"]
+
+T = TypeVar("T")
+
+# Seconds an idle worker gets to exit on its own when its pool stops.
+STOP_GRACE = 5.0
+
+
+class WorkerDied(Exception):
+    """Raised by ``WorkerPool.play`` when the worker process playing the episodes is gone.
+
+    ``kind``: the name of the pool's own error (``BrokenWorkerProcess``, ``KilledWorker``...),
+    which the failed episode reports as its ``error_type``.
+    """
+
+    def __init__(self, kind: str, message: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
+class WorkerPool(ABC):
+    """At most ``limiter.total_tokens`` calls at once in worker processes, kept between calls.
+
+    ``served``: the pids of the workers that served this pool (a worker says its pid when it
+    connects to a run's channel; a warm-up call returns it).
+    """
+
+    # Where a run's channel listens for the workers ("tcp://HOST:PORT"); None: a Unix socket.
+    listen: str | None = None
+    # Whether one call may play several episodes (``CentralAgent(envs_per_worker=...)``).
+    groups_episodes = True
+    # The errors of ``call`` meaning that its worker process is gone (ChannelClosed always is:
+    # the worker lost the run's channel).
+    died: tuple[type[BaseException], ...] = ()
+
+    def __init__(self, limiter: anyio.CapacityLimiter) -> None:
+        self.limiter = limiter
+        self.served: set[int] = set()
+        self._warm_group: TaskGroup | None = None
+        # Warm-up calls not yet promised to a call, and their "ended" signals.
+        self._warm_left = 0
+        self._warm_send: MemoryObjectSendStream[None] | None = None
+        self._warm_ready: MemoryObjectReceiveStream[None] | None = None
+
+    @property
+    def workers(self) -> int:
+        """How many calls may run at once."""
+        return int(self.limiter.total_tokens)
+
+    @abstractmethod
+    async def submit(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run ``fn(*args)`` in a worker process; cancelling it stops that call's worker."""
+
+    @abstractmethod
+    async def stop(self) -> None:
+        """Stop the worker processes this pool started (idle ones; none outlives the pool)."""
+
+    async def warm_up(self, count: int, fn: Callable[..., int], *args: Any) -> None:
+        """Start ``count`` calls of ``fn(*args)`` (returning its worker's pid) in the background.
+
+        The first ``count`` calls then wait for one of them to end and take its (idle) worker
+        rather than start more processes.
+        """
+        self._warm_left = count
+        self._warm_send, self._warm_ready = anyio.create_memory_object_stream[None](count)
+        self._warm_group = anyio.create_task_group()
+        await self._warm_group.__aenter__()
+        for _ in range(count):
+            self._warm_group.start_soon(self._warm_one, self._warm_send, fn, args)
+
+    async def _warm_one(
+        self, ready: MemoryObjectSendStream[None], fn: Callable[..., int], args: tuple[Any, ...]
+    ) -> None:
+        try:
+            self.served.add(await self.submit(fn, *args))
+        except Exception:
+            pass  # the first episode on this worker reports the same error, with its context
+        finally:
+            ready.send_nowait(None)  # its worker is free (or gone), even when cancelled
+
+    async def call(self, fn: Callable[..., T], *args: Any) -> T:
+        """``submit``, once a warm-up call has ended (its worker is idle) if any is running."""
+        await self._warmed()
+        return await self.submit(fn, *args)
+
+    async def play(self, jobs: Sequence[EpisodeJob]) -> None:
+        """Play ``jobs`` in one worker call; their events come over the run's channel."""
+        await self._warmed()
+        died: tuple[type[BaseException], ...] = (*self.died, ChannelClosed)
+        try:
+            await self.submit_episodes(jobs)
+        except died as exc:
+            raise WorkerDied(type(exc).__name__, str(exc) or repr(exc)) from exc
+
+    async def submit_episodes(self, jobs: Sequence[EpisodeJob]) -> None:
+        """One call playing ``jobs`` (a pool may play them its own way: Dask claims each)."""
+        if len(jobs) == 1:
+            await self.submit(run_episode, jobs[0])
+        else:
+            await self.submit(run_episodes, list(jobs))
+
+    async def _warmed(self) -> None:
+        if self._warm_left and self._warm_ready is not None:
+            self._warm_left -= 1
+            await self._warm_ready.receive()
+
+    async def aclose(self) -> None:
+        """Stop the warm-up, then the worker processes."""
+        group, self._warm_group = self._warm_group, None
+        if group is not None:
+            group.cancel_scope.cancel()
+            await group.__aexit__(None, None, None)
+        for stream in (self._warm_send, self._warm_ready):
+            if stream is not None:
+                stream.close()
+        with anyio.CancelScope(shield=True):
+            await self.stop()

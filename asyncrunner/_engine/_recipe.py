@@ -1,0 +1,205 @@
+"""What goes to a worker: the recipe of the env and agent (checked here), the episode job, and
+how they pickle."""
+
+from __future__ import annotations
+
+import copy
+import functools
+import hashlib
+import inspect
+import io
+import pickle
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import cloudpickle
+
+from .._plan._mixes import runner_params
+from ._central import CentralAgent, is_async_agent
+
+__all__ = ["EpisodeJob", "Recipe", "agent_name", "agent_recipe", "dumps", "recipes"]
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """How to build the env and the agent: grid2op's ``get_params_for_runner()`` plus the agent.
+
+    ``classes``: grid2op classes the parent made for the env, sent by value (``dumps``) so that
+    the worker's env uses them: a multimix's mixes all use the classes made from the first mix
+    (its generators' limits, ...), which a worker building another mix first would not.
+    """
+
+    params: dict[str, Any]
+    agent_kind: str  # "class" | "instance" | "factory" | "central" (agent: None)
+    agent: Any
+    classes: tuple[type, ...] = ()
+
+
+@dataclass(frozen=True)
+class EpisodeJob:
+    """One episode to play, as sent to a worker."""
+
+    address: str
+    token: str
+    run_id: str
+    recipe_key: str
+    recipe: bytes
+    index: int
+    attempt: int
+    episode_id: int | str
+    env_seed: int | None
+    agent_seed: int | None
+    max_iter: int | None
+    init_state: Any
+    reset_options: dict[str, Any] | None
+    detail: bool
+    mix: str | None = None
+
+
+def _grid_class(name: str, base: type, attributes: dict[str, Any]) -> type:
+    """The class grid2op made for an env (recreated, or found when this process has it)."""
+    from grid2op.Space import GridObjects
+
+    return type(GridObjects.init_grid_from_dict_for_pickle(name, base, attributes))
+
+
+def _grid_reduce(obj: Any) -> Any:
+    """How to rebuild a class grid2op created for an env, from its grid description (or None).
+
+    As grid2op pickles their instances: an agent instance holds its action space, whose
+    ``actionClass`` is such a class, which a fresh worker cannot import by name.
+    """
+    base = getattr(obj, "_INIT_GRID_CLS", None) if isinstance(obj, type) else None
+    if base is None:
+        return None
+    from grid2op.Space import GridObjects
+
+    if not issubclass(obj, GridObjects):
+        return None
+    attributes: dict[str, Any] = {}
+    GridObjects._make_cls_dict_extended(obj, attributes, as_list=False)
+    return _grid_class, (obj.__name__, base, attributes)
+
+
+class _GridPickler(pickle.Pickler):
+    """pickle, with grid2op's env classes by value."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        return _grid_reduce(obj) or NotImplemented
+
+
+class _ByValuePickler(cloudpickle.Pickler):  # type: ignore[misc]  # cloudpickle is untyped
+    """cloudpickle, with grid2op's env classes by value: what workers cannot import goes too."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        return _grid_reduce(obj) or super().reducer_override(obj)
+
+
+def dumps(obj: Any) -> bytes:
+    """``pickle.dumps`` for what goes to workers; ``pickle.loads`` reads it.
+
+    What a worker cannot import (a class or function defined in a function, a lambda) goes by
+    value (cloudpickle), as grid2op's forked processes simply inherit it. Plain pickle comes
+    first: cloudpickle would also send ``__main__``'s classes by value, with the globals their
+    methods use (a model the script loaded, that may not pickle), which workers already have.
+    """
+    try:
+        return _dump(_GridPickler, obj)
+    except Exception:
+        return _dump(_ByValuePickler, obj)
+
+
+def _dump(pickler: type[pickle.Pickler], obj: Any) -> bytes:
+    buffer = io.BytesIO()
+    pickler(buffer, protocol=5).dump(obj)
+    return buffer.getvalue()
+
+
+def agent_recipe(agent: Any) -> tuple[str, Any]:
+    """How workers get ``agent``: ``(kind, payload)``; a wrong agent raises here."""
+    from grid2op.Agent import BaseAgent
+
+    if isinstance(agent, CentralAgent):
+        return "central", None  # the workers only step envs (see _central)
+    if is_async_agent(agent):
+        raise TypeError(
+            f"agent {agent!r} has an async act: it runs on the event loop, not in a worker; "
+            "pass agent=asyncrunner.CentralAgent(agent)"
+        )
+    if isinstance(agent, type):
+        if not issubclass(agent, BaseAgent):
+            raise TypeError(
+                f"agent class {agent.__qualname__} is not a grid2op BaseAgent subclass: "
+                "derive it from grid2op.Agent.BaseAgent, or pass a factory (action_space) -> agent"
+            )
+        if inspect.isabstract(agent):
+            # It would be built, and fail, in every episode.
+            missing = ", ".join(sorted(getattr(agent, "__abstractmethods__", ())))
+            raise TypeError(
+                f"agent class {agent.__qualname__} is abstract (it does not define {missing}): "
+                "pass a concrete agent such as DoNothingAgent, or a subclass that defines it"
+            )
+        return "class", agent
+    if isinstance(agent, BaseAgent):
+        try:
+            copy.copy(agent)  # each episode plays a copy (_worker._Cached.new_agent)
+        except Exception as exc:
+            raise TypeError(
+                f"agent {agent!r} cannot be copied ({type(exc).__name__}: {exc}), and each "
+                "episode plays a copy of an agent instance: pass its class or a factory "
+                "(action_space) -> agent (asyncrunner.compat.Runner plays such an instance "
+                "itself, in this process, as grid2op's Runner does)"
+            ) from exc
+        return "instance", agent
+    if callable(agent):
+        return "factory", agent
+    raise TypeError(
+        f"agent must be a BaseAgent subclass, a BaseAgent instance or a callable "
+        f"(action_space) -> BaseAgent, got {type(agent).__name__}"
+    )
+
+
+def agent_name(agent: Any) -> str:
+    """A stable name for the agent recipe, recorded with saved episodes (``resume`` matches it).
+
+    The class's (or factory's) qualified name: instances of one class, or two factories built
+    from one function, share it whatever their parameters or weights.
+    """
+    if isinstance(agent, CentralAgent):
+        return agent_name(agent.agent)
+    if isinstance(agent, functools.partial):
+        return agent_name(agent.func)
+    if not isinstance(agent, type) and not hasattr(agent, "__qualname__"):
+        agent = type(agent)  # an instance, or a callable object
+    return f"{getattr(agent, '__module__', '?')}.{getattr(agent, '__qualname__', '?')}"
+
+
+def recipes(
+    sources: Mapping[str | None, Any], agent: Any, kind: str, payload: Any
+) -> dict[str | None, tuple[str, bytes]]:
+    """Each mix's recipe, pickled: ``(key, bytes)``; what cannot be sent to workers raises here."""
+    made: dict[str | None, tuple[str, bytes]] = {}
+    for mix, source in sources.items():
+        params = runner_params(source)
+        try:
+            dumps(params)
+        except Exception as exc:
+            raise TypeError(
+                "the env cannot be sent to worker processes: its get_params_for_runner() "
+                f"cannot be pickled ({type(exc).__name__}: {exc})"
+            ) from exc
+        # A mix's env uses the classes grid2op made from the first mix: send them along.
+        mixed = params.get("_overload_name_multimix") is not None
+        classes = (type(source.backend),) if mixed else ()
+        recipe = Recipe(params=params, agent_kind=kind, agent=payload, classes=classes)
+        try:
+            blob = dumps(recipe)
+        except Exception as exc:
+            raise TypeError(
+                f"the agent {agent!r} cannot be sent to worker processes because it cannot be "
+                f"pickled ({type(exc).__name__}: {exc}); pass its class, or a factory "
+                "(action_space) -> agent"
+            ) from exc
+        made[mix] = (hashlib.blake2b(blob, digest_size=16).hexdigest(), blob)
+    return made

@@ -1,0 +1,54 @@
+"""Local workers as fresh interpreters (``anyio.to_process``): where forking is not safe."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import anyio
+import anyio.to_process
+from anyio import BrokenWorkerProcess
+from anyio.abc import Process
+
+from .._engine._pool import STOP_GRACE, WorkerPool
+
+__all__ = ["ProcessPool"]
+
+T = TypeVar("T")
+
+
+class ProcessPool(WorkerPool):
+    """anyio's pool of worker interpreters (each first spends about 2 s importing grid2op)."""
+
+    died = (BrokenWorkerProcess,)
+
+    async def submit(self, fn: Callable[..., T], *args: Any) -> T:
+        return await anyio.to_process.run_sync(fn, *args, cancellable=True, limiter=self.limiter)
+
+    async def stop(self) -> None:
+        # anyio keeps its process pool per event loop and has no public way to stop it; we stop
+        # the idle processes that served this pool so none outlives it.
+        try:
+            workers = anyio.to_process._process_pool_workers.get()
+            idle = anyio.to_process._process_pool_idle_workers.get()
+        except LookupError:
+            return
+        mine = [entry for entry in idle if entry[0].pid in self.served]
+        for entry in mine:
+            idle.remove(entry)
+            workers.discard(entry[0])
+        async with anyio.create_task_group() as group:
+            for process, _ in mine:
+                group.start_soon(_stop_process, process)
+
+
+async def _stop_process(process: Process) -> None:
+    # Closing its stdin ends an anyio worker cleanly (it exits on EOF, running atexit hooks);
+    # one that does not exit in time is killed.
+    if process.stdin is not None:
+        await process.stdin.aclose()
+    with anyio.move_on_after(STOP_GRACE):
+        await process.wait()
+    if process.returncode is None:
+        process.kill()
+    await process.aclose()

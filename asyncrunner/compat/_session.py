@@ -1,0 +1,94 @@
+"""A ``compat.Runner``'s event loop (in a thread of its own) and the pool it keeps across calls."""
+
+from __future__ import annotations
+
+import functools
+import threading
+from collections.abc import Awaitable, Callable
+from concurrent.futures import Future
+from typing import Any, TypeVar
+
+import anyio
+import anyio.abc
+
+from .._model import EpisodeResult
+from .._runner import AsyncRunner
+
+__all__ = ["Session"]
+
+T = TypeVar("T")
+
+
+class Session:
+    """An event loop in a thread of its own (anyio's blocking portal) and the pool it hosts.
+
+    The pool (an entered ``AsyncRunner``) lives in one task of that loop, from ``__aenter__`` to
+    ``aclose``, as anyio wants; runs are other tasks that use it.
+    """
+
+    def __init__(self) -> None:
+        from anyio.from_thread import start_blocking_portal
+
+        self._portal_cm = start_blocking_portal(name="asyncrunner-compat")
+        self.portal = self._portal_cm.__enter__()
+        self.runner: AsyncRunner | None = None
+        self._keeper: tuple[Future[None], anyio.Event] | None = None
+
+    def run(self, runner: AsyncRunner, kwargs: dict[str, Any]) -> list[EpisodeResult]:
+        """``runner.run(**kwargs)`` on the pool (``runner``'s, unless one alike is already up)."""
+        current = self.runner
+        if (
+            current is None
+            or current._recipes != runner._recipes
+            or current.workers != runner.workers
+        ):
+            self._stop_pool()
+            future, stop = self.portal.start_task(_keep, runner)
+            self._keeper = (future, stop)
+            self.runner = current = runner
+        return self._call(functools.partial(current.run, **kwargs))
+
+    def _call(self, fn: Callable[[], Awaitable[T]]) -> T:
+        """Run ``fn()`` on the loop and wait; interrupted (Ctrl+C), it cancels the run."""
+        finished = threading.Event()
+
+        async def task() -> T:
+            try:
+                return await fn()
+            finally:
+                finished.set()
+
+        future = self.portal.start_task_soon(task)
+        try:
+            return future.result()
+        except BaseException:
+            if not future.done():
+                future.cancel()
+                finished.wait(30)
+            raise
+
+    def _stop_pool(self) -> None:
+        keeper, self._keeper = self._keeper, None
+        self.runner = None
+        if keeper is not None:
+            future, stop = keeper
+            self.portal.call(stop.set)
+            future.result()
+
+    def close(self) -> None:
+        try:
+            self._stop_pool()
+        finally:
+            self._portal_cm.__exit__(None, None, None)
+
+
+async def _keep(
+    runner: AsyncRunner,
+    *,
+    task_status: anyio.abc.TaskStatus[anyio.Event] = anyio.TASK_STATUS_IGNORED,
+) -> None:
+    """Hold ``runner``'s pool open until the returned event is set."""
+    stop = anyio.Event()
+    async with runner:
+        task_status.started(stop)
+        await stop.wait()

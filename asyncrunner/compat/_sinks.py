@@ -1,0 +1,60 @@
+"""The sinks ``compat.Runner`` adds: grid2op's overwriting saves, float64 reward sums."""
+
+from __future__ import annotations
+
+import os
+
+from .._model import EpisodeStarted, Event, StepBatch
+from ..sinks import CompactEpisodeWriter, EpisodeDataWriter
+from ..sinks._base import Sink
+
+__all__ = ["ReplacingCompactWriter", "ReplacingWriter", "Sum64"]
+
+
+class ReplacingWriter(EpisodeDataWriter):
+    """grid2op's saving: an episode replaces the folder of its chronic's name (atomically)."""
+
+    def _move_into_place(self, folder: str, name: str) -> str:
+        target = os.path.join(self.path, name)
+        aside = self._new_tmp(self.path)
+        try:
+            with self._lock:
+                if os.path.lexists(target):
+                    os.rename(target, aside)
+                os.rename(folder, target)
+        finally:
+            self._remove([aside])
+        return target
+
+
+class ReplacingCompactWriter(CompactEpisodeWriter):
+    """grid2op's compact saving: an episode replaces the files of its chronic's name."""
+
+    def _move_into_place(self, tmp_meta: str, tmp_npz: str, name: str) -> str:
+        meta_path = os.path.join(self.folder, f"{name}_metadata.json")
+        npz_path = os.path.join(self.folder, f"{name}.npz")
+        with self._lock:
+            os.replace(tmp_meta, meta_path)
+            os.replace(tmp_npz, npz_path)
+        return npz_path
+
+
+class Sum64(Sink):
+    """Each episode's cumulative reward summed in float64, as ``CompactEpisodeData`` sums it."""
+
+    needs_steps = False
+
+    def __init__(self) -> None:
+        self.sums: dict[int, float] = {}
+        self._attempts: dict[int, int] = {}
+
+    async def send(self, event: Event) -> None:
+        if isinstance(event, StepBatch):
+            if self._attempts.get(event.index) == event.attempt:
+                total = self.sums[event.index]
+                for reward in event.rewards.tolist():
+                    total += float(reward)
+                self.sums[event.index] = total
+        elif isinstance(event, EpisodeStarted):
+            self.sums[event.index] = 0.0
+            self._attempts[event.index] = event.attempt
