@@ -3,8 +3,9 @@
 grid2op's Runner builds a new env for every episode; a worker plays each episode on a copy of an
 env it built and never played. These tests check that nothing an episode changes (opponents,
 rewards, chronics handlers and their caches, ...) reaches a later episode, on every env shipped
-in grid2op's wheel, over several ``run()`` calls on one runner. grid2op's results are computed
-once per test session (``_reference``).
+in grid2op's wheel, over several ``run()`` calls on one runner. grid2op's results come from the
+``grid2op_reference`` fixture (computed once per session, kept in pytest's cache), except where
+its saved episodes are compared (``_reference``).
 """
 
 from __future__ import annotations
@@ -37,10 +38,6 @@ from .helpers import SampleAgent
 pytestmark = pytest.mark.anyio
 
 
-# grid2op's results, by (env, agent, arguments): computed once per test session.
-_REFERENCE: dict[str, list[tuple[Any, ...]]] = {}
-
-
 def _key(result: Any) -> tuple[Any, ...]:
     """What must be identical: chronic, cumulative reward (exactly: repr), steps played, max."""
     if isinstance(result, EpisodeResult):
@@ -49,37 +46,34 @@ def _key(result: Any) -> tuple[Any, ...]:
 
 
 def _reference(env: Any, agent: type, path_save: Path | None = None, **kwargs: Any) -> Any:
-    key = repr((env.env_name, agent, path_save, sorted(kwargs.items())))
-    if key not in _REFERENCE:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            runner = Runner(**env.get_params_for_runner(), agentClass=agent)
-            save = None if path_save is None else str(path_save)
-            _REFERENCE[key] = [_key(r) for r in runner.run(nb_process=1, path_save=save, **kwargs)]
-    return _REFERENCE[key]
+    """grid2op's results (``nb_process=1``), saving its episodes in ``path_save`` if given."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        runner = Runner(**env.get_params_for_runner(), agentClass=agent)
+        save = None if path_save is None else str(path_save)
+        return [_key(r) for r in runner.run(nb_process=1, path_save=save, **kwargs)]
 
 
 async def _three_runs(env: Any, agent: type, workers: int, **kwargs: Any) -> list[list[Any]]:
     async with AsyncRunner(env, agent=agent, workers=workers) as runner:
-        return [[_key(r) for r in await runner.run(**kwargs)] for _ in range(3)]
+        return [[r.as_tuple() for r in await runner.run(**kwargs)] for _ in range(3)]
 
 
 # --- fast tier: the cases that diverged, each on a short episode ---------------------------------
 
 
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])
-async def test_idf_2023_opponent_on_a_reused_worker() -> None:
+async def test_idf_2023_opponent_on_a_reused_worker(wheel_env: Any, grid2op_reference: Any) -> None:
     # l2rpn_idf_2023's GeometricOpponentMultiArea keeps each area's episode length in its
     # sub-opponents: an env reused without them drew the second episode's attacks differently.
-    env = make_env("l2rpn_idf_2023")
+    env = wheel_env("l2rpn_idf_2023")
     kwargs: dict[str, Any] = dict(
         nb_episode=2, env_seeds=[1, 3], agent_seeds=[101, 103], episode_id=[1, 1], max_iter=120
     )
-    expected = _reference(env, DoNothingAgent, **kwargs)
+    expected = grid2op_reference(env, DoNothingAgent, **kwargs)
     async with AsyncRunner(env, agent=DoNothingAgent, workers=1) as runner:
         results = await runner.run(**kwargs)
-    assert [_key(r) for r in results] == expected
-    env.close()
+    assert [r.as_tuple() for r in results] == expected
 
 
 def test_reward_instances_keep_their_parameters() -> None:
@@ -294,14 +288,15 @@ def _matrix_cases() -> list[Any]:
 @pytest.mark.slow
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])
 @pytest.mark.parametrize(("name", "agent"), _matrix_cases())
-async def test_parity_matrix(name: str, agent: type) -> None:
-    env = make_env(name)
+async def test_parity_matrix(
+    wheel_env: Any, grid2op_reference: Any, name: str, agent: type
+) -> None:
+    env = wheel_env(name)
     ids = [0, 1, 0] if len(env.chronics_handler.real_data.subpaths) > 1 else [0, 0, 0]
     kwargs = dict(MATRIX_RUN, episode_id=ids)
-    expected = _reference(env, agent, **kwargs)
+    expected = grid2op_reference(env, agent, **kwargs)
     runs = await _three_runs(env, agent, 2, **kwargs)
     assert [run == expected for run in runs] == [True, True, True], (expected, runs)
-    env.close()
 
 
 ARRAY_FILES = [
