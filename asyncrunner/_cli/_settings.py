@@ -1,0 +1,178 @@
+"""What ``asyncrunner run`` will do: its arguments checked and turned into a runner's settings,
+before any worker starts."""
+
+from __future__ import annotations
+
+import argparse
+import socket
+import sys
+import time
+from typing import Any
+
+from .._exceptions import EpisodeError
+from .._model import (
+    EpisodeFailed,
+    EpisodeFinished,
+    EpisodeResult,
+    EpisodeStarted,
+    Event,
+    RunStarted,
+)
+from ..sinks import Sink
+from ._common import UsageError, derive_seeds, load_agent, make_env
+
+__all__ = ["Settings"]
+
+
+class Settings:
+    """What ``run`` will do, checked and built before any worker starts."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        from .._plan._arguments import check_path_save, chronic_names, plan_episodes
+        from .._runner import AsyncRunner
+
+        # Everything that can be checked without the env first: building it takes seconds.
+        if args.resume and args.save is None:
+            raise UsageError("--resume needs --save DIR: the folder of the run to resume")
+        if args.scheduler is not None and args.dask_local is not None:
+            raise UsageError("choose one of --scheduler and --dask-local")
+        agent = load_agent(args.agent)
+        if args.save is not None:
+            try:
+                check_path_save(args.save)
+            except (ValueError, TypeError) as exc:
+                raise UsageError(str(exc).replace("`path_save`", "--save")) from None
+        if args.scheduler is not None:
+            _check_scheduler(args.scheduler)
+        self.env = make_env(args.env, test=args.test, backend=args.backend)
+        try:
+            names = chronic_names(self.env)
+            ids = None
+            if args.episode_id is not None:
+                ids = [_episode_id(i, names) for i in args.episode_id]
+            nb = args.episodes
+            if nb is None:
+                nb = 2 if ids is None else len(ids)
+            if ids is not None and len(ids) != nb:
+                raise UsageError(
+                    f"--episode-id gives {len(ids)} ids but --episodes is {nb}: give one id per "
+                    "episode, or leave --episodes out"
+                )
+            env_seeds, agent_seeds = derive_seeds(args.seed, nb)
+            self.nb_episode = nb
+            self.kwargs: dict[str, Any] = {
+                "max_iter": args.max_iter,
+                "episode_id": ids,
+                "env_seeds": env_seeds,
+                "agent_seeds": agent_seeds,
+                "on_error": args.on_error,
+                "path_save": args.save,
+                "resume": args.resume,
+            }
+            # Reject bad episode ids, seeds and counts now, with the env at hand.
+            plan_episodes(
+                nb,
+                names=names,
+                max_iter=args.max_iter,
+                env_seeds=env_seeds,
+                agent_seeds=agent_seeds,
+                episode_id=ids,
+            )
+            # Progress bars by default only where someone watches them.
+            self.kwargs["pbar"] = sys.stderr.isatty() if args.pbar is None else args.pbar
+            self.tracker = _Tracker()
+            executor = None
+            workers = args.workers
+            if args.scheduler is not None or args.dask_local is not None:
+                try:
+                    from .._pools._dask import DaskExecutor
+
+                    executor = DaskExecutor(args.scheduler, local_workers=args.dask_local)
+                except ImportError as exc:
+                    raise ValueError(str(exc)) from None
+                if workers is None and args.dask_local is not None:
+                    workers = args.dask_local
+            # The constructor checks the agent can go to workers; it starts nothing.
+            self.runner = AsyncRunner(self.env, agent=agent, workers=workers, executor=executor)
+        except (ValueError, TypeError) as exc:
+            self.env.close()
+            raise UsageError(str(exc)) from None
+        except BaseException:
+            self.env.close()
+            raise
+
+    async def play(self) -> tuple[list[EpisodeResult], float, float]:
+        """Results (under ``--on-error raise``: what finished and the failure), wall time, time
+        to the first episode."""
+        tracker = self.tracker
+        tracker.start = time.perf_counter()
+        async with self.runner as runner:
+            try:
+                results = await runner.run(self.nb_episode, sinks=[tracker], **self.kwargs)
+            except EpisodeError as exc:
+                # What finished, plus the failed episode; the rest was cancelled.
+                failed = tracker.failed_result(exc.failure, self.kwargs)
+                results = sorted([*exc.results, failed], key=lambda r: r.index)
+        end = time.perf_counter()
+        first = tracker.first if tracker.first is not None else end
+        return results, end - tracker.start, first - tracker.start
+
+
+def _episode_id(text: str, names: list[str] | None) -> int | str:
+    # A chronic's folder name wins over an index: "0001" may be either.
+    if names is not None and text in names:
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        return text
+
+
+def _check_scheduler(address: str) -> None:
+    """Fail fast when nothing listens at a TCP scheduler address (Dask would wait for minutes)."""
+    scheme, _, rest = address.rpartition("://")
+    if scheme not in ("", "tcp"):
+        return  # tls://, ws://, ...: left to Dask
+    host, sep, port = rest.rpartition(":")
+    if not sep:
+        host, port = rest, "8786"
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=5):
+            pass
+    except (OSError, ValueError) as exc:
+        reason = getattr(exc, "strerror", None) or str(exc) or type(exc).__name__
+        raise UsageError(
+            f"--scheduler {address}: no Dask scheduler reachable there ({reason}); start one "
+            "with `dask scheduler`, or use --dask-local N"
+        ) from None
+
+
+class _Tracker(Sink):
+    """What the run did so far: the time before the first episode is workers starting up; what
+    started and finished is what an interrupted run reports."""
+
+    needs_steps = False
+
+    def __init__(self) -> None:
+        self.start = time.perf_counter()
+        self.first: float | None = None
+        self.run_id: str | None = None
+        self.started: dict[int, EpisodeStarted] = {}
+        self.finished: dict[int, EpisodeResult] = {}
+
+    async def send(self, event: Event) -> None:
+        if isinstance(event, RunStarted):
+            self.run_id = event.run_id
+        elif isinstance(event, EpisodeStarted):
+            if self.first is None:
+                self.first = time.perf_counter()
+            self.started[event.index] = event
+        elif isinstance(event, EpisodeFinished):
+            self.finished[event.index] = EpisodeResult.of_finished(event)
+
+    def failed_result(self, failure: EpisodeFailed, kwargs: dict[str, Any]) -> EpisodeResult:
+        started = self.started.get(failure.index)
+        seeds = [
+            kwargs[k][failure.index] if kwargs[k] else None for k in ("env_seeds", "agent_seeds")
+        ]
+        return EpisodeResult.of_failed(failure, started, env_seed=seeds[0], agent_seed=seeds[1])
