@@ -17,7 +17,7 @@ from ._engine._central import CentralAgent
 from ._engine._dispatch import Run, RunSettings
 from ._engine._pool import WorkerPool
 from ._engine._recipe import agent_name, agent_recipe, recipes
-from ._engine._worker import warm
+from ._engine._worker import hold, release, warm
 from ._exceptions import AsyncRunnerError, EpisodeError, leaves
 from ._model import EpisodeResult, Event
 from ._plan._arguments import chronic_names
@@ -136,6 +136,7 @@ class AsyncRunner(AsyncResource):
         self._space_dicts: dict[str, Any] | None = None
         self._pool: WorkerPool | None = None
         self._closed = False
+        self._held = False  # the env is held here for forked workers (released on close)
 
     # --- the pool ------------------------------------------------------------------------------
 
@@ -146,7 +147,13 @@ class AsyncRunner(AsyncResource):
         # would not use them. A run's first calls take these workers as they become ready
         # rather than start more processes (see WorkerPool.warm_up).
         count = min(self.workers, os.cpu_count() or 1)
-        await self._get_pool().warm_up(count, warm, self._recipe_key, self._recipe_bytes)
+        pool = self._get_pool()
+        if pool.forks_this_process and not self._held:
+            # Build the env once here; each forked worker starts with it instead of building its
+            # own (the same recipe and code: the same pristine env).
+            self._held = True
+            await anyio.to_thread.run_sync(hold, self._recipe_key, self._recipe_bytes)
+        await pool.warm_up(count, warm, self._recipe_key, self._recipe_bytes)
         return self
 
     async def aclose(self) -> None:
@@ -154,8 +161,14 @@ class AsyncRunner(AsyncResource):
         if self._closed:
             return
         self._closed = True
-        if self._pool is not None:
-            await self._pool.aclose()
+        try:
+            if self._pool is not None:
+                await self._pool.aclose()
+        finally:
+            if self._held:
+                self._held = False
+                with anyio.CancelScope(shield=True):
+                    await anyio.to_thread.run_sync(release, self._recipe_key)
 
     @property
     def _pids(self) -> set[int]:

@@ -389,3 +389,26 @@ def test_env_kinds_grid2op_builds_specially(kind: str, tmp_path: Path) -> None:
     if kind == "backend_kwargs":
         assert [r[2] for r in results] == [2.5 * 5, 2.5 * 5]
     env.close()
+
+
+def test_envs_built_in_this_process_by_a_run(env: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    # grid2op's constructor builds an env and closes it; compat keeps that one for its runs, and
+    # builds the workers' env once here (forked workers start with it): two builds in this
+    # process, none in the workers. grid2op's Runner builds one per episode (nb_process=1).
+    built: list[tuple[int, str]] = []
+    new_env = GridRunner._new_env
+
+    def counting(self: Any, *args: Any, **kwargs: Any) -> Any:
+        built.append((os.getpid(), type(self).__module__))
+        return new_env(self, *args, **kwargs)
+
+    monkeypatch.setattr(GridRunner, "_new_env", counting)
+    kwargs: dict[str, Any] = dict(nb_episode=2, max_iter=3, env_seeds=[1, 2], agent_seeds=[3, 4])
+    runner = compat_runner(env, agentClass=DoNothingAgent)
+    here = os.getpid()
+    assert built == [(here, "asyncrunner.compat._runner")]  # grid2op's constructor's, kept
+    results = runner.run(nb_process=2, **kwargs)
+    # ... and the workers' pristine env, built by the worker's code (asyncrunner's engine).
+    assert built == [(here, "asyncrunner.compat._runner"), (here, "asyncrunner._engine._worker")]
+    runner.close()
+    assert head(results) == head(quiet(grid_runner(env, agentClass=DoNothingAgent).run, **kwargs))

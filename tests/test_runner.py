@@ -13,6 +13,7 @@ from grid2op.Agent import BaseAgent, DoNothingAgent, RandomAgent
 from grid2op.Reward import AlarmReward
 
 from asyncrunner import AsyncRunner, EpisodeFinished, EpisodeStarted, StepBatch
+from asyncrunner._engine import _worker
 from asyncrunner.sinks import CallbackSink
 
 from .helpers import BOTH_LOOPS
@@ -70,14 +71,17 @@ async def test_env_built_once_per_worker_and_reused(env: Any, grid2op_reference:
         episode_id=[0, 1, 2, 0, 1, 2],
     )
     async with AsyncRunner(env, agent=RandomAgent, workers=2, sinks=[sink]) as runner:
+        assert runner._recipe_key in _worker._HELD  # built here, for the workers forked next
         first = await runner.run(**kwargs)
         second = await runner.run(**kwargs)
+    assert runner._recipe_key not in _worker._HELD  # freed with the runner
     by_worker: dict[int, list[int]] = {}
     for event in started:
         by_worker.setdefault(event.worker, []).append(event.env_builds)
     assert len(started) == 12
     assert len(by_worker) == 2  # both workers served, across both runs
-    assert all(set(builds) == {1} for builds in by_worker.values())  # one env build each
+    # Forked from this process after it built the env once: no worker builds one.
+    assert all(set(builds) == {0} for builds in by_worker.values())
     assert [r.as_tuple() for r in first] == [r.as_tuple() for r in second]
     assert [r.as_tuple() for r in first] == grid2op_reference(env, RandomAgent, **kwargs)
 
@@ -117,10 +121,19 @@ async def test_spawn_start_method_with_an_executor(env: Any, grid2op_reference: 
         nb_episode=3, max_iter=10, env_seeds=[1, 2, 3], agent_seeds=[4, 5, 6], episode_id=[0, 1, 2]
     )
     context = multiprocessing.get_context("spawn")
+    started: list[EpisodeStarted] = []
+    sink = CallbackSink(lambda e: started.append(e) if isinstance(e, EpisodeStarted) else None)
     with ProcessPoolExecutor(max_workers=2, mp_context=context) as executor:
-        async with AsyncRunner(env, agent=RandomAgent, workers=2, executor=executor) as runner:
+        async with AsyncRunner(
+            env, agent=RandomAgent, workers=2, executor=executor, sinks=[sink]
+        ) as runner:
             results = await runner.run(**kwargs)
     assert [r.as_tuple() for r in results] == grid2op_reference(env, RandomAgent, **kwargs)
+    # A spawned worker holds nothing of this process: it builds the env itself, once.
+    builds: dict[int, set[int]] = {}
+    for event in started:
+        builds.setdefault(event.worker, set()).add(event.env_builds)
+    assert builds and all(b == {1} for b in builds.values()), builds
 
 
 @BOTH_LOOPS

@@ -121,6 +121,7 @@ class ForkPool(WorkerPool):
     """At most ``limiter.total_tokens`` workers forked from this process, kept between calls."""
 
     died = (BrokenWorkerProcess,)
+    forks_this_process = True
 
     def __init__(self, limiter: anyio.CapacityLimiter) -> None:
         super().__init__(limiter)

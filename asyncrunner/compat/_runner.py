@@ -50,51 +50,42 @@ Where it differs from grid2op's Runner:
 
 from __future__ import annotations
 
-import numbers
-import operator
+import contextlib
 import os
 import warnings
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 from grid2op.Action import BaseAction
-from grid2op.Exceptions import ChronicsError, EnvError, Grid2OpException
+from grid2op.Exceptions import EnvError
 from grid2op.Runner import Runner as _GridRunner
 
 from .._engine._recipe import dumps
 from .._model import EpisodeResult
-from .._plan._arguments import MAX_ENV_SEED, chronic_names
 from .._runner import AsyncRunner
 from ..sinks._base import Sink
+from ._rules import (
+    KEY_TIME_SERIE_ID,
+    check_init_states,
+    check_lengths,
+    check_reset_options,
+    chronic_id,
+    env_seed,
+    ids_and_options,
+    located,
+    reset_options_for_core,
+)
 from ._session import Session
 from ._sinks import ReplacingCompactWriter, ReplacingWriter, Sum64
 
 __all__ = ["Runner"]
 
-KEY_TIME_SERIE_ID = "time serie id"
 # Runner methods that build the env: a subclass overriding one plays in-process (grid2op's code).
 _ENV_HOOKS = ("init_env", "_new_env", "_make_new_backend")
-# grid2op's warnings (grid2op/Runner/aux_fun.py), raised in the caller's thread.
 # grid2op's Runner._run_parrallel, when it falls back to playing in its own process.
 _LOG_SEQUENTIAL = (
     "Runner.run_parrallel: number of process set to 1. Failing back into sequential mode."
-)
-_WARN_TS_ID = (
-    "You provided both `episode_id` and the key `'time serie id'` is present "
-    "in the provided `reset_options`. In this case, grid2op will ignore the "
-    "`time serie id` of the `reset_options` and keep the value in `episode_id`."
-)
-_WARN_MAX_STEP = (
-    "You provided both `max_iter` and the key `'max step'` is present "
-    "in the provided `reset_options`. In this case, grid2op will ignore the "
-    "`max step` of the `reset_options` and keep the value in `max_iter`."
-)
-_WARN_INIT_STATE = (
-    "You provided both `init_state` and the key `'init state'` is present "
-    "in the provided `reset_options`. In this case, grid2op will ignore the "
-    "`init state` of the `reset_options` and keep the value in `init_state`."
 )
 
 
@@ -109,10 +100,28 @@ class Runner(_GridRunner):  # type: ignore[misc]  # grid2op is untyped (Any base
     _ar_session: Session | None = None
     _ar_env: Any = None
     _ar_keep = False
+    # Set while grid2op's constructor runs: the env its init_env builds is kept (``_ar_env``).
+    _ar_capture = False
     # Set while grid2op's own _run_sequential plays here: its run_one_episode calls stay here.
     _ar_here = False
 
     # --- lifetime ----------------------------------------------------------------------------
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        # grid2op's constructor builds an env (on Linux, with init_env) only to close it: the
+        # runs keep that one (chronic names, spaces) rather than build a second (about 1 s).
+        self._ar_capture = True
+        try:
+            super().__init__(*args, **kwargs)
+        finally:
+            self._ar_capture = False
+
+    def init_env(self) -> Any:
+        env = super().init_env()
+        if self._ar_capture and self._ar_env is None:
+            self._ar_env = env
+            return contextlib.nullcontext(env)  # grid2op closes what it gets: not this one
+        return env
 
     def __enter__(self) -> Runner:
         """Keep one worker pool across the calls made in the ``with`` block."""
@@ -160,25 +169,11 @@ class Runner(_GridRunner):  # type: ignore[misc]  # grid2op is untyped (Any base
     ) -> list[tuple[Any, ...]]:
         """Play ``nb_episode`` episodes, as ``grid2op.Runner.Runner.run`` (same arguments, errors
         and tuples), in ``nb_process`` worker processes; results in request order."""
-        if nb_episode < 0:
-            raise RuntimeError("Impossible to run a negative number of scenarios.")
-        if env_seeds is not None and len(env_seeds) != nb_episode:
-            raise RuntimeError(
-                f'You want to compute "{nb_episode}" run(s) but provide only "{len(env_seeds)}" '
-                "different seeds (environment)."
-            )
-        if agent_seeds is not None and len(agent_seeds) != nb_episode:
-            raise RuntimeError(
-                f'You want to compute "{nb_episode}" run(s) but provide only "{len(agent_seeds)}" '
-                "different seeds (agent)."
-            )
-        if episode_id is not None and len(episode_id) != nb_episode:
-            raise RuntimeError(
-                f'You want to compute "{nb_episode}" run(s) but provide only "{len(episode_id)}" '
-                "different ids."
-            )
-        init_states = self._ar_check_init_states(init_states, nb_episode)
-        reset_options = self._ar_check_reset_options(reset_options, nb_episode)
+        check_lengths(nb_episode, env_seeds, agent_seeds, episode_id)
+        init_states = check_init_states(init_states, nb_episode)
+        reset_options = check_reset_options(
+            reset_options, nb_episode, self.envClass.KEYS_RESET_OPTIONS
+        )
         if max_iter is not None:
             max_iter = int(max_iter)
         if nb_episode == 0:
@@ -315,75 +310,6 @@ class Runner(_GridRunner):  # type: ignore[misc]  # grid2op is untyped (Any base
             reset_options=reset_options,
         )
 
-    # --- argument checks (grid2op's, with its messages) ----------------------------------------
-
-    @staticmethod
-    def _ar_check_init_states(init_states: Any, nb_episode: int) -> list[Any] | None:
-        if init_states is None:
-            return None
-        if isinstance(init_states, (dict, BaseAction)):
-            return [init_states.copy() for _ in range(nb_episode)]
-        if isinstance(init_states, (list, tuple, np.ndarray)):
-            if len(init_states) != nb_episode:
-                raise RuntimeError(
-                    f'You want to compute "{nb_episode}" run(s) but provide only '
-                    f'"{len(init_states)}" different initial state.'
-                )
-            for i, el in enumerate(init_states):
-                if not isinstance(el, (dict, BaseAction)):
-                    raise RuntimeError(
-                        "When specifying `init_states` kwargs with a list (or a tuple) "
-                        "it should be a list (or a tuple) of dictionary or BaseAction. "
-                        f"You provided {type(el)} at position {i}."
-                    )
-            return list(init_states)
-        raise RuntimeError(
-            "When using `init_state` in the runner, you should make sure to use "
-            "either use dictionnary, grid2op actions or list / tuple of actions."
-        )
-
-    def _ar_check_reset_options(self, reset_options: Any, nb_episode: int) -> list[Any] | None:
-        if reset_options is None:
-            return None
-        keys = self.envClass.KEYS_RESET_OPTIONS
-        if isinstance(reset_options, dict):
-            for k in reset_options:
-                if k not in keys:
-                    raise RuntimeError(
-                        "Wehn specifying `reset options` all keys of the dictionary should "
-                        "be compatible with the available reset options of your environment "
-                        f'class. You provided the key "{k}" for the provided dictionary but'
-                        f"possible keys are limited to {keys}."
-                    )
-            return [reset_options.copy() for _ in range(nb_episode)]
-        if isinstance(reset_options, (list, tuple, np.ndarray)):
-            if len(reset_options) != nb_episode:
-                raise RuntimeError(
-                    f'You want to compute "{nb_episode}" run(s) but provide only '
-                    f'"{len(reset_options)}" different reset options.'
-                )
-            for i, el in enumerate(reset_options):
-                if not isinstance(el, dict):
-                    raise RuntimeError(
-                        "When specifying `reset_options` kwargs with a list (or a tuple) "
-                        "it should be a list (or a tuple) of dictionary or BaseAction. "
-                        f"You provided {type(el)} at position {i}."
-                    )
-            for i, el in enumerate(reset_options):
-                for k in el:
-                    if k not in keys:
-                        raise RuntimeError(
-                            "Wehn specifying `reset options` all keys of the dictionary should "
-                            "be compatible with the available reset options of your environment "
-                            f'class. You provided the key "{k}" for the {i}th dictionary but'
-                            f"possible keys are limited to {keys}."
-                        )
-            return list(reset_options)
-        raise RuntimeError(
-            "When using `reset_options` in the runner, you should make sure to use "
-            "either use dictionnary, grid2op actions or list / tuple of actions."
-        )
-
     # --- the async core ----------------------------------------------------------------------
 
     def _ar_run_many(
@@ -435,20 +361,7 @@ class Runner(_GridRunner):  # type: ignore[misc]  # grid2op is untyped (Any base
             return result
         if isinstance(init_states, (dict, BaseAction)):
             init_states = [init_states.copy() for _ in range(nb_episode)]
-        if isinstance(reset_options, dict):
-            reset_options = [reset_options.copy() for _ in range(nb_episode)]
-        # Which chronic each episode plays: grid2op's rules (Runner._run_sequential).
-        ids: list[Any] = []
-        options: list[dict[str, Any] | None] = []
-        for i in range(nb_episode):
-            option = None if reset_options is None else dict(reset_options[i])
-            ep_id: Any = i
-            if episode_id is not None:
-                ep_id = episode_id[i]
-            elif option is not None and KEY_TIME_SERIE_ID in option:
-                ep_id = int(option.pop(KEY_TIME_SERIE_ID))
-            ids.append(ep_id)
-            options.append(option)
+        ids, options = ids_and_options(nb_episode, episode_id, reset_options)
         return self._ar_play(
             ids=ids,
             options=options,
@@ -484,27 +397,10 @@ class Runner(_GridRunner):  # type: ignore[misc]  # grid2op is untyped (Any base
         nb_episode = len(ids)
         if max_iter is not None and max_iter < 1 and max_iter != -1:
             raise EnvError("'max_iter' should be an int >= 1 or -1")
-        # What grid2op's episode loop (aux_fun._aux_run_one_episode) warns about and overrides.
-        core_options: list[dict[str, Any] | None] = []
-        for i in range(nb_episode):
-            option = dict(options[i] or {})
-            if KEY_TIME_SERIE_ID in option:
-                warnings.warn(_WARN_TS_ID, stacklevel=3)
-                del option[KEY_TIME_SERIE_ID]
-            if max_iter is not None:
-                if "max step" in option:
-                    warnings.warn(_WARN_MAX_STEP, stacklevel=3)
-                option.pop("max step", None)
-                if max_iter == -1:
-                    option["max step"] = -1  # "no limit", even over the runner's max_iter
-            if init_states[i] is not None:
-                if "init state" in option:
-                    warnings.warn(_WARN_INIT_STATE, stacklevel=3)
-                option.pop("init state", None)
-            core_options.append(option or None)
+        core_options = reset_options_for_core(options, max_iter, init_states)
         env = self._ar_template()
-        ids = [self._ar_episode_id(ep_id, env) for ep_id in ids]
-        env_seeds = [_env_seed(seed) for seed in env_seeds]
+        ids = [chronic_id(ep_id, env) for ep_id in ids]
+        env_seeds = [env_seed(seed) for seed in env_seeds]
         # numpy's RandomState, which seeds grid2op's agents, takes a bool as 0 / 1
         agent_seeds = [int(s) if isinstance(s, (bool, np.bool_)) else s for s in agent_seeds]
         compact = bool(self.use_compact_episode_data)
@@ -545,7 +441,7 @@ class Runner(_GridRunner):  # type: ignore[misc]  # grid2op is untyped (Any base
                 r.max_ts,
             )
             if detailed:
-                res = (*res, self._ar_located(r, path_save))
+                res = (*res, located(r, path_save))
             if nb_highres:
                 res = (*res, r.nb_highres_sim)
             out.append(res)
@@ -578,7 +474,7 @@ class Runner(_GridRunner):  # type: ignore[misc]  # grid2op is untyped (Any base
     def _ar_in_process_reason(self) -> str | None:
         """Why this runner's episodes cannot play in worker processes (``None``: they can)."""
         for name in _ENV_HOOKS:
-            if getattr(type(self), name) is not getattr(_GridRunner, name):
+            if getattr(type(self), name) is not getattr(Runner, name):
                 return (
                     f"{type(self).__name__} overrides Runner.{name}, which worker processes "
                     "do not call (they build the env from the runner's parameters)"
@@ -607,57 +503,13 @@ class Runner(_GridRunner):  # type: ignore[misc]  # grid2op is untyped (Any base
         return nb_process > 1 and value is not None and int(value) > 0
 
     def _ar_template(self) -> Any:
-        """The env this process keeps for the runs: chronic names and spaces (built once)."""
+        """The env this process keeps for the runs: chronic names and spaces (grid2op's
+        constructor's; built here where it built none)."""
         if self._ar_env is None:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 self._ar_env, _ = self._new_env(self.parameters)
         return self._ar_env
-
-    def _ar_episode_id(self, ep_id: Any, env: Any) -> Any:
-        """A chronic id as grid2op reads it: ints wrap around, strings may be full paths."""
-        names = chronic_names(env)
-        if isinstance(ep_id, str):
-            if names is None or ep_id in names:
-                return ep_id
-            real = env.chronics_handler.real_data
-            for name, number in zip(names, real._order, strict=True):
-                if ep_id == real.subpaths[number]:
-                    return name
-            raise ChronicsError(
-                f'Impossible to find the chronics with id "{ep_id}". The call to '
-                "`env.chronics_handler.tell_id(...)` cannot be performed."
-            )
-        value = operator.index(ep_id)
-        return value % len(names) if names else value
-
-    @staticmethod
-    def _ar_located(result: EpisodeResult, path_save: str | os.PathLike[str] | None) -> Any:
-        """The episode's data object, pointing at where it was saved (as grid2op's does)."""
-        data = result.episode_data
-        if data is None or path_save is None:
-            return data
-        if hasattr(data, "exp_dir"):  # CompactEpisodeData
-            data.exp_dir = Path(path_save) / "CompactEpisodeData"
-        elif result.path is not None:
-            data.agent_path = os.path.abspath(os.fspath(path_save))
-            data.episode_path = result.path
-            data.serialize = True
-        return data
-
-
-def _env_seed(seed: Any) -> Any:
-    """An env seed as grid2op's ``env.seed`` reads it (a float truncated, a bool as 0 / 1).
-
-    The async core takes integers only; anything else goes on for it to reject.
-    """
-    if seed is None or not isinstance(seed, (numbers.Real, np.bool_)):
-        return seed
-    if float(seed) > MAX_ENV_SEED:
-        raise Grid2OpException(
-            f"Seed is too big. Max value is {MAX_ENV_SEED}, provided value is {seed}"
-        )
-    return int(np.array(seed).astype(np.int32))
 
 
 class _AgentClass:

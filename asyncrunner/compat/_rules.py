@@ -1,0 +1,220 @@
+"""grid2op's Runner rules, as compat applies them: its argument checks (with its messages),
+which chronic each episode plays, the reset options it overrides (with its warnings) and the
+seeds as grid2op reads them."""
+
+from __future__ import annotations
+
+import numbers
+import operator
+import os
+import warnings
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from grid2op.Action import BaseAction
+from grid2op.Exceptions import ChronicsError, Grid2OpException
+
+from .._model import EpisodeResult
+from .._plan._arguments import MAX_ENV_SEED, chronic_names
+
+KEY_TIME_SERIE_ID = "time serie id"
+# grid2op's warnings (grid2op/Runner/aux_fun.py), raised in the caller's thread.
+_WARN_TS_ID = (
+    "You provided both `episode_id` and the key `'time serie id'` is present "
+    "in the provided `reset_options`. In this case, grid2op will ignore the "
+    "`time serie id` of the `reset_options` and keep the value in `episode_id`."
+)
+_WARN_MAX_STEP = (
+    "You provided both `max_iter` and the key `'max step'` is present "
+    "in the provided `reset_options`. In this case, grid2op will ignore the "
+    "`max step` of the `reset_options` and keep the value in `max_iter`."
+)
+_WARN_INIT_STATE = (
+    "You provided both `init_state` and the key `'init state'` is present "
+    "in the provided `reset_options`. In this case, grid2op will ignore the "
+    "`init state` of the `reset_options` and keep the value in `init_state`."
+)
+
+
+def check_lengths(nb_episode: int, env_seeds: Any, agent_seeds: Any, episode_id: Any) -> None:
+    """grid2op's ``Runner.run`` checks: one seed (env, agent) and one id per episode."""
+    if nb_episode < 0:
+        raise RuntimeError("Impossible to run a negative number of scenarios.")
+    if env_seeds is not None and len(env_seeds) != nb_episode:
+        raise RuntimeError(
+            f'You want to compute "{nb_episode}" run(s) but provide only "{len(env_seeds)}" '
+            "different seeds (environment)."
+        )
+    if agent_seeds is not None and len(agent_seeds) != nb_episode:
+        raise RuntimeError(
+            f'You want to compute "{nb_episode}" run(s) but provide only "{len(agent_seeds)}" '
+            "different seeds (agent)."
+        )
+    if episode_id is not None and len(episode_id) != nb_episode:
+        raise RuntimeError(
+            f'You want to compute "{nb_episode}" run(s) but provide only "{len(episode_id)}" '
+            "different ids."
+        )
+
+
+def check_init_states(init_states: Any, nb_episode: int) -> list[Any] | None:
+    """grid2op's check: one initial state per episode (one given is copied for each)."""
+    if init_states is None:
+        return None
+    if isinstance(init_states, (dict, BaseAction)):
+        return [init_states.copy() for _ in range(nb_episode)]
+    if isinstance(init_states, (list, tuple, np.ndarray)):
+        if len(init_states) != nb_episode:
+            raise RuntimeError(
+                f'You want to compute "{nb_episode}" run(s) but provide only '
+                f'"{len(init_states)}" different initial state.'
+            )
+        for i, el in enumerate(init_states):
+            if not isinstance(el, (dict, BaseAction)):
+                raise RuntimeError(
+                    "When specifying `init_states` kwargs with a list (or a tuple) "
+                    "it should be a list (or a tuple) of dictionary or BaseAction. "
+                    f"You provided {type(el)} at position {i}."
+                )
+        return list(init_states)
+    raise RuntimeError(
+        "When using `init_state` in the runner, you should make sure to use "
+        "either use dictionnary, grid2op actions or list / tuple of actions."
+    )
+
+
+def check_reset_options(reset_options: Any, nb_episode: int, keys: Any) -> list[Any] | None:
+    """grid2op's check; ``keys``: the env class's ``KEYS_RESET_OPTIONS``."""
+    if reset_options is None:
+        return None
+    if isinstance(reset_options, dict):
+        for k in reset_options:
+            if k not in keys:
+                raise RuntimeError(
+                    "Wehn specifying `reset options` all keys of the dictionary should "
+                    "be compatible with the available reset options of your environment "
+                    f'class. You provided the key "{k}" for the provided dictionary but'
+                    f"possible keys are limited to {keys}."
+                )
+        return [reset_options.copy() for _ in range(nb_episode)]
+    if isinstance(reset_options, (list, tuple, np.ndarray)):
+        if len(reset_options) != nb_episode:
+            raise RuntimeError(
+                f'You want to compute "{nb_episode}" run(s) but provide only '
+                f'"{len(reset_options)}" different reset options.'
+            )
+        for i, el in enumerate(reset_options):
+            if not isinstance(el, dict):
+                raise RuntimeError(
+                    "When specifying `reset_options` kwargs with a list (or a tuple) "
+                    "it should be a list (or a tuple) of dictionary or BaseAction. "
+                    f"You provided {type(el)} at position {i}."
+                )
+        for i, el in enumerate(reset_options):
+            for k in el:
+                if k not in keys:
+                    raise RuntimeError(
+                        "Wehn specifying `reset options` all keys of the dictionary should "
+                        "be compatible with the available reset options of your environment "
+                        f'class. You provided the key "{k}" for the {i}th dictionary but'
+                        f"possible keys are limited to {keys}."
+                    )
+        return list(reset_options)
+    raise RuntimeError(
+        "When using `reset_options` in the runner, you should make sure to use "
+        "either use dictionnary, grid2op actions or list / tuple of actions."
+    )
+
+
+def ids_and_options(
+    nb_episode: int, episode_id: Any, reset_options: Any
+) -> tuple[list[Any], list[dict[str, Any] | None]]:
+    """Which chronic each episode plays, and its reset options: grid2op's rules
+    (``Runner._run_sequential``: ``episode_id``, else the options' ``"time serie id"``, else
+    the episode's number)."""
+    if isinstance(reset_options, dict):
+        reset_options = [reset_options.copy() for _ in range(nb_episode)]
+    ids: list[Any] = []
+    options: list[dict[str, Any] | None] = []
+    for i in range(nb_episode):
+        option = None if reset_options is None else dict(reset_options[i])
+        ep_id: Any = i
+        if episode_id is not None:
+            ep_id = episode_id[i]
+        elif option is not None and KEY_TIME_SERIE_ID in option:
+            ep_id = int(option.pop(KEY_TIME_SERIE_ID))
+        ids.append(ep_id)
+        options.append(option)
+    return ids, options
+
+
+def reset_options_for_core(
+    options: list[dict[str, Any] | None], max_iter: int | None, init_states: list[Any]
+) -> list[dict[str, Any] | None]:
+    """The reset options the episodes play with: what grid2op's episode loop
+    (``aux_fun._aux_run_one_episode``) warns about and overrides."""
+    core_options: list[dict[str, Any] | None] = []
+    for i in range(len(options)):
+        option = dict(options[i] or {})
+        if KEY_TIME_SERIE_ID in option:
+            warnings.warn(_WARN_TS_ID, stacklevel=4)
+            del option[KEY_TIME_SERIE_ID]
+        if max_iter is not None:
+            if "max step" in option:
+                warnings.warn(_WARN_MAX_STEP, stacklevel=4)
+            option.pop("max step", None)
+            if max_iter == -1:
+                option["max step"] = -1  # "no limit", even over the runner's max_iter
+        if init_states[i] is not None:
+            if "init state" in option:
+                warnings.warn(_WARN_INIT_STATE, stacklevel=4)
+            option.pop("init state", None)
+        core_options.append(option or None)
+    return core_options
+
+
+def chronic_id(ep_id: Any, env: Any) -> Any:
+    """A chronic id as grid2op reads it: ints wrap around, strings may be full paths."""
+    names = chronic_names(env)
+    if isinstance(ep_id, str):
+        if names is None or ep_id in names:
+            return ep_id
+        real = env.chronics_handler.real_data
+        for name, number in zip(names, real._order, strict=True):
+            if ep_id == real.subpaths[number]:
+                return name
+        raise ChronicsError(
+            f'Impossible to find the chronics with id "{ep_id}". The call to '
+            "`env.chronics_handler.tell_id(...)` cannot be performed."
+        )
+    value = operator.index(ep_id)
+    return value % len(names) if names else value
+
+
+def env_seed(seed: Any) -> Any:
+    """An env seed as grid2op's ``env.seed`` reads it (a float truncated, a bool as 0 / 1).
+
+    The async core takes integers only; anything else goes on for it to reject.
+    """
+    if seed is None or not isinstance(seed, (numbers.Real, np.bool_)):
+        return seed
+    if float(seed) > MAX_ENV_SEED:
+        raise Grid2OpException(
+            f"Seed is too big. Max value is {MAX_ENV_SEED}, provided value is {seed}"
+        )
+    return int(np.array(seed).astype(np.int32))
+
+
+def located(result: EpisodeResult, path_save: str | os.PathLike[str] | None) -> Any:
+    """The episode's data object, pointing at where it was saved (as grid2op's does)."""
+    data = result.episode_data
+    if data is None or path_save is None:
+        return data
+    if hasattr(data, "exp_dir"):  # CompactEpisodeData
+        data.exp_dir = Path(path_save) / "CompactEpisodeData"
+    elif result.path is not None:
+        data.agent_path = os.path.abspath(os.fspath(path_save))
+        data.episode_path = result.path
+        data.serialize = True
+    return data
