@@ -15,9 +15,9 @@ from anyio.abc import AsyncResource
 
 from ._engine._central import CentralAgent
 from ._engine._dispatch import Run, RunSettings
+from ._engine._envs import hold, release, warm
 from ._engine._pool import WorkerPool
 from ._engine._recipe import agent_name, agent_recipe, recipes
-from ._engine._worker import hold, release, warm
 from ._exceptions import AsyncRunnerError, EpisodeError, leaves
 from ._model import EpisodeResult, Event
 from ._plan._arguments import chronic_names

@@ -28,8 +28,8 @@ from grid2op.Runner import Runner
 
 import asyncrunner.compat
 from asyncrunner import AsyncRunner, EpisodeResult, EpisodeStarted
+from asyncrunner._engine._envs import _Cached
 from asyncrunner._engine._recipe import Recipe
-from asyncrunner._engine._worker import _Cached
 from asyncrunner.sinks import CallbackSink
 
 from .conftest import LightSimBackend, make_env

@@ -13,7 +13,7 @@ from grid2op.Agent import BaseAgent, DoNothingAgent, RandomAgent
 from grid2op.Reward import AlarmReward
 
 from asyncrunner import AsyncRunner, EpisodeFinished, EpisodeStarted, StepBatch
-from asyncrunner._engine import _worker
+from asyncrunner._engine import _envs
 from asyncrunner.sinks import CallbackSink
 
 from .helpers import BOTH_LOOPS
@@ -71,10 +71,10 @@ async def test_env_built_once_per_worker_and_reused(env: Any, grid2op_reference:
         episode_id=[0, 1, 2, 0, 1, 2],
     )
     async with AsyncRunner(env, agent=RandomAgent, workers=2, sinks=[sink]) as runner:
-        assert runner._recipe_key in _worker._HELD  # built here, for the workers forked next
+        assert runner._recipe_key in _envs._HELD  # built here, for the workers forked next
         first = await runner.run(**kwargs)
         second = await runner.run(**kwargs)
-    assert runner._recipe_key not in _worker._HELD  # freed with the runner
+    assert runner._recipe_key not in _envs._HELD  # freed with the runner
     by_worker: dict[int, list[int]] = {}
     for event in started:
         by_worker.setdefault(event.worker, []).append(event.env_builds)

@@ -52,7 +52,7 @@ class WorkerPool(ABC):
     # Whether one call may play several episodes (``CentralAgent(envs_per_worker=...)``).
     groups_episodes = True
     # Whether the workers are forked from this process: they start with what it holds (an env
-    # held for them with ``_worker.hold`` needs no build in the worker).
+    # held for them with ``_envs.hold`` needs no build in the worker).
     forks_this_process = False
     # The errors of ``call`` meaning that its worker process is gone (ChannelClosed always is:
     # the worker lost the run's channel).

@@ -143,7 +143,7 @@ def agent_recipe(agent: Any) -> tuple[str, Any]:
         return "class", agent
     if isinstance(agent, BaseAgent):
         try:
-            copy.copy(agent)  # each episode plays a copy (_worker._Cached.new_agent)
+            copy.copy(agent)  # each episode plays a copy (_envs._Cached.new_agent)
         except Exception as exc:
             raise TypeError(
                 f"agent {agent!r} cannot be copied ({type(exc).__name__}: {exc}), and each "

@@ -5,7 +5,7 @@
 start a ``LocalCluster``, whose scheduler, workers and dashboard listen on 127.0.0.1 only). Each
 episode is one task (``pure=False``, ``retries=0``, a key naming the run, episode and attempt),
 handed out as workers free up; Dask workers keep their process, so the worker-side env cache
-(``_worker._ENVS``) serves every episode a worker plays.
+(``_envs._ENVS``) serves every episode a worker plays.
 
 Steps come back over the run's authenticated channel (``_channel``): a Unix socket when the
 scheduler is on this machine, else TCP. Exactly-once per attempt: before playing, the task claims

@@ -1,0 +1,185 @@
+"""A worker's env cache: one pristine env per recipe, built once and never played; each episode
+plays a copy of it (the reset contract).
+
+A process that forks workers may build the pristine env itself (``hold``): a forked worker then
+starts with it in its cache instead of building one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import os
+import pickle
+import threading
+import warnings
+from typing import Any
+
+from ._recipe import Recipe
+
+__all__ = ["builds", "discard", "get_env", "hold", "release", "warm"]
+
+# How many envs one worker keeps (a worker may serve several runners in turn).
+_MAX_ENVS = 2
+
+
+class _Cached:
+    """A pristine env built from a recipe, never played: each episode plays a copy of it.
+
+    grid2op's Runner builds a new env for every episode. ``env.copy()`` of an env that was built
+    and never stepped is that fresh env, whatever state its parts keep (opponents, rewards,
+    chronics handlers and their caches, backends), at about 2 % of a build's cost; nothing an
+    episode changes reaches the pristine env or the next episode.
+    """
+
+    def __init__(self, recipe: Recipe) -> None:
+        self.recipe = recipe
+        self.pristine: Any = self._build()
+        self.other_reward_names = tuple(self.pristine.other_rewards)
+
+    def _build(self) -> Any:
+        from grid2op.Agent import DoNothingAgent
+        from grid2op.Runner import Runner
+
+        global _BUILDS
+        _BUILDS += 1
+
+        class OnceRunner(Runner):  # type: ignore[misc]  # grid2op is untyped
+            # On Linux grid2op's Runner.__init__ builds an env (with init_env) and closes it;
+            # keep that one instead of building a second (each build parses the grid: ~1 s).
+            def init_env(self) -> Any:
+                env, self.agent = self._new_env(self.parameters)
+                self.built = env
+                return contextlib.nullcontext(env)
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            runner = OnceRunner(**self.recipe.params, agentClass=DoNothingAgent)
+            built = getattr(runner, "built", None)
+            return built if built is not None else runner._new_env(runner.parameters)[0]
+
+    def episode_env(self) -> Any:
+        """A fresh env for one episode (the caller closes it)."""
+        if self.pristine is None:
+            with _ENVS_LOCK:  # grid2op's class creation is not thread-safe
+                self.pristine = self._build()
+        if not getattr(self.pristine.backend, "_can_be_copied", True):
+            # Its backend cannot be copied: play the pristine env itself, build another next time.
+            env, self.pristine = self.pristine, None
+            return env
+        env = self.pristine.copy()
+        # What grid2op's copy shares with the original and an episode changes (checked by
+        # tests/test_parity.py on everything the pristine env holds): the high-resolution
+        # simulation counter (shared on purpose; a fresh env counts from 0), and the initial
+        # state meant to be constant, whose one-element arrays (a single shunt's setpoint, ...)
+        # cannot be made read-only and are written by the episode through the env's and the
+        # forecast env's state after a reset.
+        env._highres_sim_counter._HighResSimCounter__nb_highres_called = 0
+        for part in (env, getattr(env._observation_space, "obs_env", None)):
+            if part is not None and part._cst_prev_state_at_init is not None:
+                initial = part._cst_prev_state_at_init.copy()
+                initial.prevent_modification()
+                part._cst_prev_state_at_init = initial
+        return env
+
+    def close(self) -> None:
+        if self.pristine is not None:
+            self.pristine.close()
+
+    def new_agent(self, env: Any) -> Any:
+        kind, agent = self.recipe.agent_kind, self.recipe.agent
+        if kind in ("class", "factory"):
+            return agent(env.action_space)
+        return copy.copy(agent)
+
+
+_ENVS: dict[str, _Cached] = {}
+_BUILDS = 0
+# Envs that an episode is playing now (a worker may play several episodes at once, in threads).
+_IN_USE: set[str] = set()
+_ENVS_LOCK = threading.Lock()
+
+
+# Pristine envs this process holds for the workers it forks (``hold``), by recipe key, and how
+# many holders each has. Never played here: a forked worker starts with them in its cache.
+_HELD: dict[str, tuple[_Cached, int]] = {}
+
+
+def hold(recipe_key: str, recipe_bytes: bytes) -> None:
+    """Build a recipe's pristine env in this process, for the workers forked from it later.
+
+    A forked worker then finds it in its cache: the fork copies it (pages shared until written),
+    where a worker's own build parses the grid again (0.6 s for case14, several on big grids).
+    The env is the one the worker would build, from the same recipe and code, and episodes play
+    copies of it there as of any pristine env. A build that fails here is left to the workers,
+    which report it as they do. Each ``hold`` is undone by one ``release``.
+    """
+    with _ENVS_LOCK:
+        if recipe_key in _HELD:
+            cached, holders = _HELD[recipe_key]
+            _HELD[recipe_key] = (cached, holders + 1)
+            return
+        try:
+            cached = _Cached(pickle.loads(recipe_bytes))
+        except Exception:
+            return
+        _HELD[recipe_key] = (cached, 1)
+
+
+def release(recipe_key: str) -> None:
+    """Undo one ``hold``; the last one frees the env (workers forked before keep theirs)."""
+    with _ENVS_LOCK:
+        entry = _HELD.pop(recipe_key, None)
+        if entry is None:  # its build failed here
+            return
+        cached, holders = entry
+        if holders > 1:
+            _HELD[recipe_key] = (cached, holders - 1)
+            return
+    cached.close()
+
+
+def _after_fork() -> None:
+    # A forked worker counts its own builds (EpisodeStarted.env_builds), not its parent's, and
+    # takes a new lock: a thread of the parent may have held this one at the fork. The envs its
+    # parent held for it are its cache's (the parent keeps, and later frees, its own copy).
+    global _BUILDS, _ENVS_LOCK
+    _BUILDS = 0
+    _ENVS_LOCK = threading.Lock()
+    _ENVS.update((key, cached) for key, (cached, _) in _HELD.items())
+    _HELD.clear()
+
+
+os.register_at_fork(after_in_child=_after_fork)
+
+
+def get_env(recipe_key: str, recipe_bytes: bytes, slot: int = 0, keep: int = _MAX_ENVS) -> _Cached:
+    """The env of a recipe for episode slot ``slot`` of this worker (built if needed)."""
+    key = recipe_key if slot == 0 else f"{recipe_key}#{slot}"
+    with _ENVS_LOCK:  # builds too: grid2op's class creation is not thread-safe
+        cached = _ENVS.pop(key, None)
+        if cached is None:
+            idle = [k for k in _ENVS if k not in _IN_USE]
+            while len(_ENVS) >= max(keep, _MAX_ENVS) and idle:
+                _ENVS.pop(idle.pop(0)).close()
+            cached = _Cached(pickle.loads(recipe_bytes))
+        _ENVS[key] = cached  # most recently used last
+        _IN_USE.add(key)  # until the caller discards it
+        return cached
+
+
+def warm(recipe_key: str, recipe_bytes: bytes) -> int:
+    """Build (or find) the env of a recipe; returns this worker's pid."""
+    get_env(recipe_key, recipe_bytes)
+    _IN_USE.discard(recipe_key)
+    return os.getpid()
+
+
+def discard(key: str) -> None:
+    """The episode using the env of ``key`` (``get_env``) is over."""
+    _IN_USE.discard(key)
+
+
+def builds() -> int:
+    """How many envs this process has built (a forked worker counts from its fork)."""
+    return _BUILDS
