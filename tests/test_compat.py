@@ -325,7 +325,7 @@ def test_an_agent_that_cannot_be_pickled_plays_in_process(env: Any) -> None:
     with pytest.warns(UserWarning, match="cannot be pickled"):
         results = runner.run(nb_process=2, **kwargs)
     assert head(results) == head(expected)
-    assert runner._ar_session is None and runner._ar_env is None  # no worker, no extra env
+    assert runner._ar_session is None  # no worker (and no env but the constructor's: below)
 
 
 class _HookedRunner(compat.Runner):
@@ -408,7 +408,7 @@ def test_envs_built_in_this_process_by_a_run(env: Any, monkeypatch: pytest.Monke
     here = os.getpid()
     assert built == [(here, "asyncrunner.compat._runner")]  # grid2op's constructor's, kept
     results = runner.run(nb_process=2, **kwargs)
-    # ... and the workers' pristine env, built by the worker's code (asyncrunner's engine).
-    assert built == [(here, "asyncrunner.compat._runner"), (here, "asyncrunner._engine._worker")]
+    # ... and the workers' pristine env, built by the worker's code (asyncrunner's env cache).
+    assert built == [(here, "asyncrunner.compat._runner"), (here, "asyncrunner._engine._envs")]
     runner.close()
     assert head(results) == head(quiet(grid_runner(env, agentClass=DoNothingAgent).run, **kwargs))

@@ -218,3 +218,31 @@ def located(result: EpisodeResult, path_save: str | os.PathLike[str] | None) -> 
         data.episode_path = result.path
         data.serialize = True
     return data
+
+
+def grid2op_tuple(
+    result: EpisodeResult,
+    exact_sum: Any,
+    *,
+    raw_reward: bool,
+    detailed: bool,
+    path_save: str | os.PathLike[str] | None,
+    nb_highres: bool,
+) -> tuple[Any, ...]:
+    """What grid2op's Runner returns for an episode: ``(id_chron, name_chron, cum_reward,
+    nb_time_step, max_ts[, episode_data][, nb_highres_sim])``. The reward as grid2op sums it:
+    ``exact_sum`` (CompactEpisodeData's float64 sum) or float32 of ours; a Python float from
+    ``run()``, numpy's from ``run_one_episode()`` (``raw_reward``)."""
+    cum_reward = np.float32(result.cum_reward) if exact_sum is None else exact_sum
+    res: tuple[Any, ...] = (
+        result.chronics_path,
+        result.name,
+        cum_reward if raw_reward else float(cum_reward),
+        result.nb_time_step,
+        result.max_ts,
+    )
+    if detailed:
+        res = (*res, located(result, path_save))
+    if nb_highres:
+        res = (*res, result.nb_highres_sim)
+    return res

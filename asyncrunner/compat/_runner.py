@@ -72,11 +72,11 @@ from ._rules import (
     check_reset_options,
     chronic_id,
     env_seed,
+    grid2op_tuple,
     ids_and_options,
-    located,
     reset_options_for_core,
 )
-from ._session import Session
+from ._session import AgentClass, EnvView, Session
 from ._sinks import ReplacingCompactWriter, ReplacingWriter, Sum64
 
 __all__ = ["Runner"]
@@ -118,7 +118,8 @@ class Runner(_GridRunner):  # type: ignore[misc]  # grid2op is untyped (Any base
 
     def init_env(self) -> Any:
         env = super().init_env()
-        if self._ar_capture and self._ar_env is None:
+        # A subclass's own init_env gets the env itself (it plays in this process: see below).
+        if self._ar_capture and self._ar_env is None and type(self).init_env is Runner.init_env:
             self._ar_env = env
             return contextlib.nullcontext(env)  # grid2op closes what it gets: not this one
         return env
@@ -426,26 +427,17 @@ class Runner(_GridRunner):  # type: ignore[misc]  # grid2op is untyped (Any base
             add_detailed_output=("compact" if compact else True) if detailed else False,
         )
         results = self._ar_call(nb_process, nb_episode, kwargs)
-        out = []
-        for r in results:
-            cum_reward: Any
-            if sums is not None:
-                cum_reward = sums.sums.get(r.index, 0.0)
-            else:
-                cum_reward = np.float32(r.cum_reward)
-            res: tuple[Any, ...] = (
-                r.chronics_path,
-                r.name,
-                cum_reward if raw_reward else float(cum_reward),
-                r.nb_time_step,
-                r.max_ts,
+        return [
+            grid2op_tuple(
+                r,
+                None if sums is None else sums.sums.get(r.index, 0.0),
+                raw_reward=raw_reward,
+                detailed=detailed,
+                path_save=path_save,
+                nb_highres=nb_highres,
             )
-            if detailed:
-                res = (*res, located(r, path_save))
-            if nb_highres:
-                res = (*res, r.nb_highres_sim)
-            out.append(res)
-        return out
+            for r in results
+        ]
 
     def _ar_call(
         self, nb_process: int, nb_episode: int, kwargs: dict[str, Any]
@@ -453,8 +445,8 @@ class Runner(_GridRunner):  # type: ignore[misc]  # grid2op is untyped (Any base
         params = self._get_params()
         for key in ("agentClass", "agentInstance", "logger", "mp_context", "_local_dir_cls"):
             params.pop(key, None)  # the worker's Runner gets its defaults
-        view = _EnvView(self._ar_template(), params)
-        agent = _AgentClass(self.agentClass) if self._useclass else self.agent
+        view = EnvView(self._ar_template(), params)
+        agent = AgentClass(self.agentClass) if self._useclass else self.agent
         keep = self._ar_keep
         workers = nb_process if keep else min(nb_process, nb_episode)
         runner = AsyncRunner(view, agent=agent, workers=workers)
@@ -510,43 +502,3 @@ class Runner(_GridRunner):  # type: ignore[misc]  # grid2op is untyped (Any base
                 warnings.simplefilter("ignore")
                 self._ar_env, _ = self._new_env(self.parameters)
         return self._ar_env
-
-
-class _AgentClass:
-    """Builds ``cls(action_space)`` in the worker, with the class attributes ``cls`` has here.
-
-    grid2op's processes are forked (on Linux): they see class attributes set at run time, such as
-    the action ``OneChangeThenNothing.gen_next(...)`` stores on the class. A worker imports the
-    class afresh, so the picklable ones are sent along and set before the agent is built.
-    """
-
-    def __init__(self, cls: type) -> None:
-        self.cls = cls
-        self.state: dict[str, Any] = {}
-        for name, value in vars(cls).items():
-            if name.startswith("__") or hasattr(value, "__get__"):
-                continue  # methods, properties and the like come with the class
-            try:
-                dumps(value)
-            except Exception:
-                continue
-            self.state[name] = value
-
-    def __call__(self, action_space: Any) -> Any:
-        for name, value in self.state.items():
-            setattr(self.cls, name, value)
-        return self.cls(action_space)
-
-
-class _EnvView:
-    """The runner's env, giving the runner's own parameters as ``get_params_for_runner()``."""
-
-    def __init__(self, env: Any, params: dict[str, Any]) -> None:
-        self._env = env
-        self._params = params
-
-    def get_params_for_runner(self) -> dict[str, Any]:
-        return dict(self._params)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._env, name)

@@ -11,10 +11,11 @@ from typing import Any, TypeVar
 import anyio
 import anyio.abc
 
+from .._engine._recipe import dumps
 from .._model import EpisodeResult
 from .._runner import AsyncRunner
 
-__all__ = ["Session"]
+__all__ = ["AgentClass", "EnvView", "Session"]
 
 T = TypeVar("T")
 
@@ -92,3 +93,43 @@ async def _keep(
     async with runner:
         task_status.started(stop)
         await stop.wait()
+
+
+class AgentClass:
+    """Builds ``cls(action_space)`` in the worker, with the class attributes ``cls`` has here.
+
+    grid2op's processes are forked (on Linux): they see class attributes set at run time, such as
+    the action ``OneChangeThenNothing.gen_next(...)`` stores on the class. A worker imports the
+    class afresh, so the picklable ones are sent along and set before the agent is built.
+    """
+
+    def __init__(self, cls: type) -> None:
+        self.cls = cls
+        self.state: dict[str, Any] = {}
+        for name, value in vars(cls).items():
+            if name.startswith("__") or hasattr(value, "__get__"):
+                continue  # methods, properties and the like come with the class
+            try:
+                dumps(value)
+            except Exception:
+                continue
+            self.state[name] = value
+
+    def __call__(self, action_space: Any) -> Any:
+        for name, value in self.state.items():
+            setattr(self.cls, name, value)
+        return self.cls(action_space)
+
+
+class EnvView:
+    """The runner's env, giving the runner's own parameters as ``get_params_for_runner()``."""
+
+    def __init__(self, env: Any, params: dict[str, Any]) -> None:
+        self._env = env
+        self._params = params
+
+    def get_params_for_runner(self) -> dict[str, Any]:
+        return dict(self._params)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._env, name)
