@@ -28,7 +28,14 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
 
 
+# The longest modules (the durations .ci/run lists), first: xdist hands out whole modules in
+# collection order, and the workers end together when the last ones handed out are short.
+_LONGEST_FIRST = ("test_readme_commands", "test_parity", "test_score", "test_compat")
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    rank = {name: i for i, name in enumerate(_LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.stem, len(rank)))  # stable: modules stay whole
     # The fast tier (the default) leaves the slow tests out; --run-slow runs everything.
     if config.getoption("--run-slow"):
         return

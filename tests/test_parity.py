@@ -14,6 +14,7 @@ import json
 import shutil
 import types
 import warnings
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -63,10 +64,12 @@ async def _three_runs(env: Any, agent: type, workers: int, **kwargs: Any) -> lis
 
 
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])
-async def test_idf_2023_opponent_on_a_reused_worker(wheel_env: Any, grid2op_reference: Any) -> None:
+async def test_idf_2023_opponent_on_a_reused_worker(
+    module_env: Callable[[str], Any], grid2op_reference: Any
+) -> None:
     # l2rpn_idf_2023's GeometricOpponentMultiArea keeps each area's episode length in its
     # sub-opponents: an env reused without them drew the second episode's attacks differently.
-    env = wheel_env("l2rpn_idf_2023")
+    env = module_env("l2rpn_idf_2023")
     kwargs: dict[str, Any] = dict(
         nb_episode=2, env_seeds=[1, 3], agent_seeds=[101, 103], episode_id=[1, 1], max_iter=120
     )
@@ -285,13 +288,32 @@ def _matrix_cases() -> list[Any]:
     return cases
 
 
+@pytest.fixture(scope="module")
+def module_env() -> Iterator[Callable[[str], Any]]:
+    """``module_env(name)``: the env ``name``, shared by consecutive tests of this module on that
+    env; one at a time (the wheel's big envs take gigabytes together)."""
+    held: dict[str, Any] = {}
+
+    def get(name: str) -> Any:
+        if name not in held:
+            for env in held.values():
+                env.close()
+            held.clear()
+            held[name] = make_env(name)
+        return held[name]
+
+    yield get
+    for env in held.values():
+        env.close()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])
 @pytest.mark.parametrize(("name", "agent"), _matrix_cases())
 async def test_parity_matrix(
-    wheel_env: Any, grid2op_reference: Any, name: str, agent: type
+    module_env: Callable[[str], Any], grid2op_reference: Any, name: str, agent: type
 ) -> None:
-    env = wheel_env(name)
+    env = module_env(name)
     ids = [0, 1, 0] if len(env.chronics_handler.real_data.subpaths) > 1 else [0, 0, 0]
     kwargs = dict(MATRIX_RUN, episode_id=ids)
     expected = grid2op_reference(env, agent, **kwargs)
