@@ -56,28 +56,20 @@ import warnings
 from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
 from grid2op.Action import BaseAction
-from grid2op.Exceptions import EnvError
 from grid2op.Runner import Runner as _GridRunner
 
 from .._engine._recipe import dumps
 from .._model import EpisodeResult
-from .._runner import AsyncRunner
-from ..sinks._base import Sink
+from ._play import call, play
 from ._rules import (
     KEY_TIME_SERIE_ID,
     check_init_states,
     check_lengths,
     check_reset_options,
-    chronic_id,
-    env_seed,
-    grid2op_tuple,
     ids_and_options,
-    reset_options_for_core,
 )
-from ._session import AgentClass, EnvView, Session
-from ._sinks import ReplacingCompactWriter, ReplacingWriter, Sum64
+from ._session import Session
 
 __all__ = ["Runner"]
 
@@ -235,7 +227,8 @@ class Runner(_GridRunner):  # type: ignore[misc]  # grid2op is untyped (Any base
         elif reset_options is not None and KEY_TIME_SERIE_ID in reset_options:
             ep_id = int(reset_options[KEY_TIME_SERIE_ID])
             del reset_options[KEY_TIME_SERIE_ID]  # as grid2op does, in the caller's dict
-        (result,) = self._ar_play(
+        (result,) = play(
+            self,
             ids=[ep_id],
             options=[reset_options],
             nb_process=1,
@@ -363,7 +356,8 @@ class Runner(_GridRunner):  # type: ignore[misc]  # grid2op is untyped (Any base
         if isinstance(init_states, (dict, BaseAction)):
             init_states = [init_states.copy() for _ in range(nb_episode)]
         ids, options = ids_and_options(nb_episode, episode_id, reset_options)
-        return self._ar_play(
+        return play(
+            self,
             ids=ids,
             options=options,
             nb_process=int(nb_process),
@@ -378,88 +372,10 @@ class Runner(_GridRunner):  # type: ignore[misc]  # grid2op is untyped (Any base
             raw_reward=False,
         )
 
-    def _ar_play(
-        self,
-        *,
-        ids: list[Any],
-        options: list[dict[str, Any] | None],
-        nb_process: int,
-        path_save: str | os.PathLike[str] | None,
-        pbar: Any,
-        env_seeds: list[Any],
-        agent_seeds: list[Any],
-        max_iter: int | None,
-        init_states: list[Any],
-        detailed: bool,
-        nb_highres: bool,
-        raw_reward: bool,
-    ) -> list[tuple[Any, ...]]:
-        """Play the episodes (grid2op's chronic ids and reset options) on the async core."""
-        nb_episode = len(ids)
-        if max_iter is not None and max_iter < 1 and max_iter != -1:
-            raise EnvError("'max_iter' should be an int >= 1 or -1")
-        core_options = reset_options_for_core(options, max_iter, init_states)
-        env = self._ar_template()
-        ids = [chronic_id(ep_id, env) for ep_id in ids]
-        env_seeds = [env_seed(seed) for seed in env_seeds]
-        # numpy's RandomState, which seeds grid2op's agents, takes a bool as 0 / 1
-        agent_seeds = [int(s) if isinstance(s, (bool, np.bool_)) else s for s in agent_seeds]
-        compact = bool(self.use_compact_episode_data)
-        sinks: list[Sink] = []
-        if path_save is not None:
-            writer: Sink
-            writer = ReplacingCompactWriter(path_save) if compact else ReplacingWriter(path_save)
-            sinks.append(writer)
-        sums = Sum64() if compact else None
-        if sums is not None:
-            sinks.append(sums)
-        kwargs: dict[str, Any] = dict(
-            nb_episode=nb_episode,
-            path_save=None,
-            max_iter=None if max_iter == -1 else max_iter,
-            pbar=pbar,
-            env_seeds=env_seeds,
-            agent_seeds=agent_seeds,
-            episode_id=ids,
-            init_states=init_states,
-            reset_options=core_options,
-            sinks=sinks,
-            add_detailed_output=("compact" if compact else True) if detailed else False,
-        )
-        results = self._ar_call(nb_process, nb_episode, kwargs)
-        return [
-            grid2op_tuple(
-                r,
-                None if sums is None else sums.sums.get(r.index, 0.0),
-                raw_reward=raw_reward,
-                detailed=detailed,
-                path_save=path_save,
-                nb_highres=nb_highres,
-            )
-            for r in results
-        ]
-
     def _ar_call(
         self, nb_process: int, nb_episode: int, kwargs: dict[str, Any]
     ) -> list[EpisodeResult]:
-        params = self._get_params()
-        for key in ("agentClass", "agentInstance", "logger", "mp_context", "_local_dir_cls"):
-            params.pop(key, None)  # the worker's Runner gets its defaults
-        view = EnvView(self._ar_template(), params)
-        agent = AgentClass(self.agentClass) if self._useclass else self.agent
-        keep = self._ar_keep
-        workers = nb_process if keep else min(nb_process, nb_episode)
-        runner = AsyncRunner(view, agent=agent, workers=workers)
-        session = self._ar_session if keep else None
-        if session is None:
-            session = Session()
-            if keep:
-                self._ar_session = session
-        try:
-            return session.run(runner, kwargs)
-        finally:
-            if not keep:
-                session.close()
+        return call(self, nb_process, nb_episode, kwargs)
 
     # --- helpers -----------------------------------------------------------------------------
 

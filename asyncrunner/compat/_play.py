@@ -1,0 +1,106 @@
+"""compat's episodes on asyncrunner's core: grid2op's arguments become one ``AsyncRunner.run``
+on the runner's pool, and its results grid2op's tuples."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy as np
+from grid2op.Exceptions import EnvError
+
+from .._model import EpisodeResult
+from .._runner import AsyncRunner
+from ..sinks._base import Sink
+from ._rules import chronic_id, env_seed, grid2op_tuple, reset_options_for_core
+from ._session import AgentClass, EnvView, Session
+from ._sinks import ReplacingCompactWriter, ReplacingWriter, Sum64
+
+__all__ = ["call", "play"]
+
+
+def play(
+    runner: Any,
+    *,
+    ids: list[Any],
+    options: list[dict[str, Any] | None],
+    nb_process: int,
+    path_save: str | os.PathLike[str] | None,
+    pbar: Any,
+    env_seeds: list[Any],
+    agent_seeds: list[Any],
+    max_iter: int | None,
+    init_states: list[Any],
+    detailed: bool,
+    nb_highres: bool,
+    raw_reward: bool,
+) -> list[tuple[Any, ...]]:
+    """Play the episodes (grid2op's chronic ids and reset options) on the async core."""
+    nb_episode = len(ids)
+    if max_iter is not None and max_iter < 1 and max_iter != -1:
+        raise EnvError("'max_iter' should be an int >= 1 or -1")
+    core_options = reset_options_for_core(options, max_iter, init_states)
+    env = runner._ar_template()
+    ids = [chronic_id(ep_id, env) for ep_id in ids]
+    env_seeds = [env_seed(seed) for seed in env_seeds]
+    # numpy's RandomState, which seeds grid2op's agents, takes a bool as 0 / 1
+    agent_seeds = [int(s) if isinstance(s, (bool, np.bool_)) else s for s in agent_seeds]
+    compact = bool(runner.use_compact_episode_data)
+    sinks: list[Sink] = []
+    if path_save is not None:
+        writer: Sink
+        writer = ReplacingCompactWriter(path_save) if compact else ReplacingWriter(path_save)
+        sinks.append(writer)
+    sums = Sum64() if compact else None
+    if sums is not None:
+        sinks.append(sums)
+    kwargs: dict[str, Any] = dict(
+        nb_episode=nb_episode,
+        path_save=None,
+        max_iter=None if max_iter == -1 else max_iter,
+        pbar=pbar,
+        env_seeds=env_seeds,
+        agent_seeds=agent_seeds,
+        episode_id=ids,
+        init_states=init_states,
+        reset_options=core_options,
+        sinks=sinks,
+        add_detailed_output=("compact" if compact else True) if detailed else False,
+    )
+    results = runner._ar_call(nb_process, nb_episode, kwargs)
+    return [
+        grid2op_tuple(
+            r,
+            None if sums is None else sums.sums.get(r.index, 0.0),
+            raw_reward=raw_reward,
+            detailed=detailed,
+            path_save=path_save,
+            nb_highres=nb_highres,
+        )
+        for r in results
+    ]
+
+
+def call(
+    runner: Any, nb_process: int, nb_episode: int, kwargs: dict[str, Any]
+) -> list[EpisodeResult]:
+    """Run ``kwargs`` (``AsyncRunner.run``'s) on the runner's pool: kept across calls in a
+    ``with`` block, else started and stopped here."""
+    params = runner._get_params()
+    for key in ("agentClass", "agentInstance", "logger", "mp_context", "_local_dir_cls"):
+        params.pop(key, None)  # the worker's Runner gets its defaults
+    view = EnvView(runner._ar_template(), params)
+    agent = AgentClass(runner.agentClass) if runner._useclass else runner.agent
+    keep = runner._ar_keep
+    workers = nb_process if keep else min(nb_process, nb_episode)
+    core = AsyncRunner(view, agent=agent, workers=workers)
+    session = runner._ar_session if keep else None
+    if session is None:
+        session = Session()
+        if keep:
+            runner._ar_session = session
+    try:
+        return session.run(core, kwargs)
+    finally:
+        if not keep:
+            session.close()
