@@ -151,8 +151,8 @@ class AsyncRunner(AsyncResource):
         if pool.forks_this_process and not self._held:
             # Build the env once here; each forked worker starts with it instead of building its
             # own (the same recipe and code: the same pristine env).
-            self._held = True
-            await anyio.to_thread.run_sync(hold, self._recipe_key, self._recipe_bytes)
+            self._held = True  # before the await: a cancel lands after the hold is done
+            self._held = await anyio.to_thread.run_sync(hold, self._recipe_key, self._recipe_bytes)
         await pool.warm_up(count, warm, self._recipe_key, self._recipe_bytes)
         return self
 

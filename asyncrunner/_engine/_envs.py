@@ -105,32 +105,34 @@ _ENVS_LOCK = threading.Lock()
 _HELD: dict[str, tuple[_Cached, int]] = {}
 
 
-def hold(recipe_key: str, recipe_bytes: bytes) -> None:
+def hold(recipe_key: str, recipe_bytes: bytes) -> bool:
     """Build a recipe's pristine env in this process, for the workers forked from it later.
 
     A forked worker then finds it in its cache: the fork copies it (pages shared until written),
     where a worker's own build parses the grid again (0.6 s for case14, several on big grids).
     The env is the one the worker would build, from the same recipe and code, and episodes play
     copies of it there as of any pristine env. A build that fails here is left to the workers,
-    which report it as they do. Each ``hold`` is undone by one ``release``.
+    which report it as they do (returns False: nothing to ``release``). Each ``hold`` that
+    returns True is undone by one ``release``.
     """
     with _ENVS_LOCK:
         if recipe_key in _HELD:
             cached, holders = _HELD[recipe_key]
             _HELD[recipe_key] = (cached, holders + 1)
-            return
+            return True
         try:
             cached = _Cached(pickle.loads(recipe_bytes))
         except Exception:
-            return
+            return False
         _HELD[recipe_key] = (cached, 1)
+        return True
 
 
 def release(recipe_key: str) -> None:
     """Undo one ``hold``; the last one frees the env (workers forked before keep theirs)."""
     with _ENVS_LOCK:
         entry = _HELD.pop(recipe_key, None)
-        if entry is None:  # its build failed here
+        if entry is None:
             return
         cached, holders = entry
         if holders > 1:
