@@ -137,6 +137,7 @@ class AsyncRunner(AsyncResource):
         self._pool: WorkerPool | None = None
         self._closed = False
         self._held = False  # the env is held here for forked workers (released on close)
+        self._shares_pool = False  # another runner's pool (``sharing_workers``): not ours to stop
 
     # --- the pool ------------------------------------------------------------------------------
 
@@ -147,14 +148,18 @@ class AsyncRunner(AsyncResource):
         # would not use them. A run's first calls take these workers as they become ready
         # rather than start more processes (see WorkerPool.warm_up).
         count = min(self.workers, os.cpu_count() or 1)
-        pool = self._get_pool()
-        if pool.forks_this_process and not self._held:
-            # Build the env once here; each forked worker starts with it instead of building its
-            # own (the same recipe and code: the same pristine env).
+        await self._hold()
+        await self._get_pool().warm_up(count, warm, self._recipe_key, self._recipe_bytes)
+        return self
+
+    async def _hold(self) -> None:
+        """For a pool that forks this process: build the env once here, so that each forked
+        worker starts with it instead of building its own (the same recipe and code: the same
+        pristine env)."""
+        self._check_open()
+        if self._get_pool().forks_this_process and not self._held:
             self._held = True  # before the await: a cancel lands after the hold is done
             self._held = await anyio.to_thread.run_sync(hold, self._recipe_key, self._recipe_bytes)
-        await pool.warm_up(count, warm, self._recipe_key, self._recipe_bytes)
-        return self
 
     async def aclose(self) -> None:
         """Stop the warm-up, then the worker processes this runner used (idle ones)."""
@@ -162,7 +167,7 @@ class AsyncRunner(AsyncResource):
             return
         self._closed = True
         try:
-            if self._pool is not None:
+            if self._pool is not None and not self._shares_pool:
                 await self._pool.aclose()
         finally:
             if self._held:
@@ -357,6 +362,33 @@ class AsyncRunner(AsyncResource):
                     yield receive
                 finally:
                     group.cancel_scope.cancel()
+
+
+@asynccontextmanager
+async def sharing_workers(runners: Sequence[AsyncRunner], workers: int) -> AsyncIterator[None]:
+    """Opens ``runners`` on one pool of ``workers`` processes, closed at the end of the block.
+
+    Their runs then play on the same warm workers, episodes of all of them interleaved as the
+    workers free up, where each runner would have started its own pool. Every runner's env is
+    held before the first worker starts: a forked worker has all of them (none builds one).
+    """
+    first = runners[0]
+    for runner in runners:
+        if runner._pool is not None:
+            raise AsyncRunnerError("sharing_workers needs runners that never started a pool")
+    first.workers = workers
+    pool = first._get_pool()
+    try:
+        for runner in runners[1:]:
+            runner._pool, runner._shares_pool, runner.workers = pool, True, workers
+        for runner in runners:
+            await runner._hold()
+        count = min(workers, os.cpu_count() or 1)
+        await pool.warm_up(count, warm, first._recipe_key, first._recipe_bytes)
+        yield
+    finally:
+        for runner in (*runners[1:], first):  # the pool's owner last
+            await runner.aclose()
 
 
 class _unwrapped:

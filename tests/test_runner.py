@@ -14,6 +14,8 @@ from grid2op.Reward import AlarmReward
 
 from asyncrunner import AsyncRunner, EpisodeFinished, EpisodeStarted, StepBatch
 from asyncrunner._engine import _envs
+from asyncrunner._pools._fork import ForkPool
+from asyncrunner._runner import sharing_workers
 from asyncrunner.sinks import CallbackSink
 
 from .helpers import BOTH_LOOPS
@@ -84,6 +86,46 @@ async def test_env_built_once_per_worker_and_reused(env: Any, grid2op_reference:
     assert all(set(builds) == {0} for builds in by_worker.values())
     assert [r.as_tuple() for r in first] == [r.as_tuple() for r in second]
     assert [r.as_tuple() for r in first] == grid2op_reference(env, RandomAgent, **kwargs)
+
+
+async def test_runners_sharing_workers_interleave_on_one_warm_pool(
+    env: Any, grid2op_reference: Any
+) -> None:
+    started: list[EpisodeStarted] = []
+    sink = CallbackSink(lambda e: started.append(e) if isinstance(e, EpisodeStarted) else None)
+    kwargs: dict[str, Any] = dict(
+        nb_episode=4, max_iter=10, env_seeds=[1, 2, 3, 4], agent_seeds=[5, 6, 7, 8]
+    )
+    runners = [
+        AsyncRunner(env, agent=a, workers=1, sinks=[sink]) for a in (RandomAgent, DoNothingAgent)
+    ]
+    builds_before = _envs.builds()
+    async with sharing_workers(runners, 2):
+        # Both recipes held here before the first fork: every worker starts with both envs,
+        # and the two agents on one env share one pristine env (built once).
+        first, second = (_envs._HELD[r._recipe_key][0] for r in runners)
+        assert first.pristine is second.pristine is not None
+        assert builds_before + 1 == _envs.builds()
+        shared = first.pristine
+        async with anyio.create_task_group() as group:
+            results: dict[int, Any] = {}
+
+            async def play(i: int) -> None:
+                results[i] = await runners[i].run(**kwargs)
+
+            for i in range(2):
+                group.start_soon(play, i)
+    assert not any(r._recipe_key in _envs._HELD for r in runners)
+    assert shared._BaseEnv__closed  # closed once, with the last runner that held it
+    assert runners[0]._pool is runners[1]._pool
+    assert isinstance(runners[0]._pool, ForkPool) and not runners[0]._pool.pids  # stopped
+    runs: dict[int, set[str]] = {}
+    for event in started:
+        runs.setdefault(event.worker, set()).add(event.run_id)
+    assert len(runs) == 2 and all(len(r) == 2 for r in runs.values()), runs  # interleaved
+    assert {e.env_builds for e in started} == {0}
+    for i, agent in enumerate((RandomAgent, DoNothingAgent)):
+        assert [r.as_tuple() for r in results[i]] == grid2op_reference(env, agent, **kwargs)
 
 
 async def test_thermal_limit_reset_option_does_not_leak(env: Any, grid2op_reference: Any) -> None:

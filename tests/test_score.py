@@ -16,6 +16,7 @@ import pytest
 
 import asyncrunner
 from asyncrunner import compat
+from asyncrunner._pools._fork import ForkPool
 from tests.conftest import make_env
 from tests.helpers import SampleAgent, StorageAgent, quiet
 
@@ -198,7 +199,17 @@ async def test_reference_statistics_are_reused_and_invalidated(tmp_path: Path) -
 
 @pytest.mark.slow
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])
-async def test_path_save_keeps_each_agent_and_reference_and_resumes(tmp_path: Path) -> None:
+async def test_path_save_keeps_each_agent_and_reference_and_resumes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pools: list[ForkPool] = []
+
+    class SeenPool(ForkPool):
+        def __init__(self, limiter: Any) -> None:
+            super().__init__(limiter)
+            pools.append(self)
+
+    monkeypatch.setattr(asyncrunner._runner, "ForkPool", SeenPool)
     env = env_copy("l2rpn_case14_sandbox", tmp_path)
     save = tmp_path / "scores"
     kwargs: dict[str, Any] = {
@@ -207,6 +218,8 @@ async def test_path_save_keeps_each_agent_and_reference_and_resumes(tmp_path: Pa
     }  # fmt: skip
     try:
         results = await asyncrunner.score(env, [DoNothingAgent, RandomAgent], **kwargs)
+        # Two references and two agents, on one pool of two workers (not a pool each).
+        assert len(pools) == 1 and len(pools[0].served) == 2
         folders = sorted(p.name for p in save.iterdir())
         assert folders == ["DoNothingAgent", "RandomAgent", "l2rpn_dn", "l2rpn_no_overflow_reco"]
         for folder in folders:
@@ -302,3 +315,25 @@ async def test_a_save_folder_holding_an_earlier_score_gives_the_same_references(
         assert len(EpisodeData.list_episode(str(tmp_path / "scores" / "l2rpn_dn"))) == 2
     finally:
         env.close()
+
+
+def test_the_reconnecting_reference_plays_without_overflow_disconnection(
+    env: Any, tmp_path: Path
+) -> None:
+    from asyncrunner._plan._mixes import runner_params
+    from asyncrunner._score._grid2op import ScorePlan
+
+    plan = ScorePlan.make(
+        env, [DoNothingAgent], competition="l2rpn_2020", nb_scenario=1, max_step=5,
+        env_seeds=None, agent_seeds=None, path_save=None, cache_dir=tmp_path,
+    )  # fmt: skip
+    try:
+        sent = {
+            folder: runner_params(job_env)["parameters_path"] for folder, job_env, _ in plan.jobs
+        }
+        # What grid2op's EpisodeStatistics.run_env gives its Runner for each reference.
+        assert not env.parameters.NO_OVERFLOW_DISCONNECTION
+        assert sent["l2rpn_no_overflow_reco"]["NO_OVERFLOW_DISCONNECTION"] is True
+        assert sent["l2rpn_dn"] == sent["DoNothingAgent"] == env.parameters.to_dict()
+    finally:
+        plan.close()

@@ -32,9 +32,11 @@ class _Cached:
     episode changes reaches the pristine env or the next episode.
     """
 
-    def __init__(self, recipe: Recipe) -> None:
+    def __init__(self, recipe: Recipe, pristine: Any = None) -> None:
         self.recipe = recipe
-        self.pristine: Any = self._build()
+        # Another agent's recipe on the same env may lend its pristine env (``hold``): it is
+        # only ever copied.
+        self.pristine: Any = pristine if pristine is not None else self._build()
         self.other_reward_names = tuple(self.pristine.other_rewards)
 
     def _build(self) -> Any:
@@ -83,8 +85,11 @@ class _Cached:
         return env
 
     def close(self) -> None:
-        if self.pristine is not None:
-            self.pristine.close()
+        """Close the pristine env, unless another recipe's entry shares it (``hold``)."""
+        pristine, self.pristine = self.pristine, None
+        entries = [*_ENVS.values(), *(cached for cached, _ in _HELD.values())]
+        if pristine is not None and not any(c.pristine is pristine for c in entries):
+            pristine.close()
 
     def new_agent(self, env: Any) -> Any:
         kind, agent = self.recipe.agent_kind, self.recipe.agent
@@ -113,7 +118,9 @@ def hold(recipe_key: str, recipe_bytes: bytes) -> bool:
     The env is the one the worker would build, from the same recipe and code, and episodes play
     copies of it there as of any pristine env. A build that fails here is left to the workers,
     which report it as they do (returns False: nothing to ``release``). Each ``hold`` that
-    returns True is undone by one ``release``.
+    returns True is undone by one ``release``. Recipes of other agents on the same env
+    (``Recipe.env_key``) share one pristine env: a worker plays one call at a time, so two
+    episodes never copy it at once.
     """
     with _ENVS_LOCK:
         if recipe_key in _HELD:
@@ -121,7 +128,18 @@ def hold(recipe_key: str, recipe_bytes: bytes) -> bool:
             _HELD[recipe_key] = (cached, holders + 1)
             return True
         try:
-            cached = _Cached(pickle.loads(recipe_bytes))
+            recipe = pickle.loads(recipe_bytes)
+            # Another agent on the same env (scores play several): one pristine env for both.
+            twin = next(
+                (
+                    c.pristine
+                    for c, _ in _HELD.values()
+                    if c.recipe.env_key == recipe.env_key
+                    and getattr(c.pristine.backend, "_can_be_copied", True)
+                ),
+                None,
+            )
+            cached = _Cached(recipe, twin)
         except Exception:
             return False
         _HELD[recipe_key] = (cached, 1)
@@ -138,7 +156,7 @@ def release(recipe_key: str) -> None:
         if holders > 1:
             _HELD[recipe_key] = (cached, holders - 1)
             return
-    cached.close()
+        cached.close()
 
 
 def _after_fork() -> None:

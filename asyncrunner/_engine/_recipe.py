@@ -28,12 +28,15 @@ class Recipe:
     ``classes``: grid2op classes the parent made for the env, sent by value (``dumps``) so that
     the worker's env uses them: a multimix's mixes all use the classes made from the first mix
     (its generators' limits, ...), which a worker building another mix first would not.
+    ``env_key``: a digest of what the env is built from (``params`` and ``classes``): recipes of
+    other agents on the same env share it.
     """
 
     params: dict[str, Any]
     agent_kind: str  # "class" | "instance" | "factory" | "central" (agent: None)
     agent: Any
     classes: tuple[type, ...] = ()
+    env_key: str = ""
 
 
 @dataclass(frozen=True)
@@ -182,17 +185,18 @@ def recipes(
     made: dict[str | None, tuple[str, bytes]] = {}
     for mix, source in sources.items():
         params = runner_params(source)
+        # A mix's env uses the classes grid2op made from the first mix: send them along.
+        mixed = params.get("_overload_name_multimix") is not None
+        classes = (type(source.backend),) if mixed else ()
         try:
-            dumps(params)
+            env_blob = dumps((params, classes))
         except Exception as exc:
             raise TypeError(
                 "the env cannot be sent to worker processes: its get_params_for_runner() "
                 f"cannot be pickled ({type(exc).__name__}: {exc})"
             ) from exc
-        # A mix's env uses the classes grid2op made from the first mix: send them along.
-        mixed = params.get("_overload_name_multimix") is not None
-        classes = (type(source.backend),) if mixed else ()
-        recipe = Recipe(params=params, agent_kind=kind, agent=payload, classes=classes)
+        env_key = hashlib.blake2b(env_blob, digest_size=16).hexdigest()
+        recipe = Recipe(params, kind, payload, classes, env_key)
         try:
             blob = dumps(recipe)
         except Exception as exc:

@@ -1,11 +1,12 @@
-"""``asyncrunner.score``: grid2op's competition scores (``grid2op.utils.Score*``) on warm pools.
+"""``asyncrunner.score``: grid2op's competition scores (``grid2op.utils.Score*``) on one warm pool.
 
 grid2op's score classes play two reference agents in their constructor (DoNothing, and
 RecoPowerline with ``NO_OVERFLOW_DISCONNECTION``), cache their ``EpisodeStatistics`` in the env's
 folder, then play the agent in ``get``: three phases, each with a new Runner. Here every episode
 (references and agents) is played at once. An ``AsyncRunner`` plays one agent on one env
-recipe, so there is one runner per (agent, parametrisation), all running concurrently in one
-task group and sharing the ``workers`` budget.
+recipe, so there is one runner per (agent, parametrisation), all running concurrently on one
+pool of ``workers`` processes (``sharing_workers``): their episodes interleave on the same warm
+workers, forked with every runner's env already built.
 
 The arithmetic stays grid2op's: the reference episodes go through ``EpisodeStatistics.compute``'s
 own post-processing (grid2op's layout, in our cache folder rather than the env's), and each
@@ -23,7 +24,7 @@ from typing import Any
 import anyio
 import anyio.to_thread
 
-from .._runner import AsyncRunner
+from .._runner import AsyncRunner, sharing_workers
 from ._grid2op import COMPETITIONS, ScorePlan, compute_stats, grid2op_scores
 
 __all__ = ["COMPETITIONS", "ScenarioScore", "ScoreResult", "score"]
@@ -88,7 +89,7 @@ async def score(
 
     ``agents``: one agent or a list, each as ``AsyncRunner(agent=...)`` takes it. Other
     arguments mean what they mean for grid2op's class (``max_step``: steps per scenario).
-    ``workers``: worker processes in all (at least one per runner). ``path_save``: one folder per
+    ``workers``: worker processes in all, shared by every agent and reference. ``path_save``: one folder per
     agent and per reference, EpisodeData format; ``resume`` completes them. Reference statistics
     are cached in ``cache_dir`` (default ``~/.cache/asyncrunner/scores``), keyed by everything
     that changes them.
@@ -130,24 +131,24 @@ async def _play_and_score(
     resume: bool,
 ) -> list[ScoreResult]:
     total = workers if workers is not None else (os.cpu_count() or 1)
-    # The runners share the workers budget (at least one process each).
-    each = max(1, min(plan.nb, total // len(plan.jobs)))
+    runners = [AsyncRunner(job_env, agent=agent, workers=total) for _, job_env, agent in plan.jobs]
     results: list[Any] = [None] * len(plan.jobs)
 
-    async def play(i: int, folder: str, job_env: Any, agent: Any) -> None:
-        async with AsyncRunner(job_env, agent=agent, workers=each) as runner:
-            results[i] = await runner.run(
-                plan.nb,
-                path_save=os.path.join(plan.root, folder),
-                max_iter=plan.max_iter,
-                env_seeds=env_seeds,
-                agent_seeds=agent_seeds,
-                resume=resume,
-            )
+    async def play(i: int, folder: str) -> None:
+        results[i] = await runners[i].run(
+            plan.nb,
+            path_save=os.path.join(plan.root, folder),
+            max_iter=plan.max_iter,
+            env_seeds=env_seeds,
+            agent_seeds=agent_seeds,
+            resume=resume,
+        )
 
-    async with anyio.create_task_group() as group:
-        for i, (folder, job_env, agent) in enumerate(plan.jobs):
-            group.start_soon(play, i, folder, job_env, agent)
+    # One pool for every runner: the references' and the agents' episodes interleave on the
+    # same warm workers.
+    async with sharing_workers(runners, total), anyio.create_task_group() as group:
+        for i, (folder, _, _) in enumerate(plan.jobs):
+            group.start_soon(play, i, folder)
     scorer = plan.scorer
     for ref, episodes in zip(plan.todo, results, strict=False):
         await anyio.to_thread.run_sync(
