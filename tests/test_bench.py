@@ -71,6 +71,8 @@ def test_config(report: dict[str, Any]) -> None:
         "grid2op",
         "asyncrunner",
         "ratios",
+        "projection",
+        "sweep",
         "streaming_cost",
         "agreement",
         "errors",
@@ -82,6 +84,7 @@ def test_config(report: dict[str, Any]) -> None:
     assert isinstance(cfg["backend"], str) and "_" not in cfg["backend"]
     assert cfg["agent"] == "DoNothingAgent"
     assert (cfg["episodes"], cfg["workers"], cfg["max_iter"], cfg["seed"]) == (2, 2, 10, 0)
+    assert cfg["sweep_workers"] == [2]
     assert cfg["loop"] == "asyncio"
     assert cfg["episode_ids"] == [0, 1]
     for key in ("env_seeds", "agent_seeds"):
@@ -138,6 +141,22 @@ def test_figures(report: dict[str, Any]) -> None:
         "all_sinks_vs_no_sinks",
     }
     assert all(isinstance(v, float) and v > 0 for v in ratios.values())
+    projection = report["projection"]
+    assert set(projection) == {
+        "parent_cpu_us_per_step",
+        "steps_per_s_per_worker",
+        "parent_steps_per_s",
+        "workers_fed",
+    }
+    warm = report["asyncrunner"]["warm"]
+    assert projection["parent_cpu_us_per_step"] == warm["parent_cpu_us_per_step"]
+    assert projection["steps_per_s_per_worker"] == pytest.approx(warm["steps_per_s"] / 2)
+    assert projection["workers_fed"] == pytest.approx(
+        1e6 / warm["parent_cpu_us_per_step"] / projection["steps_per_s_per_worker"]
+    )
+    (row,) = report["sweep"]  # no sweep: the one worker count
+    assert row["workers"] == 2 and row["warm_steps_per_s"] == warm["steps_per_s"]
+    assert row["limit_steps_per_s"] == pytest.approx(2 * report["bare_loop"]["steps_per_s"])
     cost = report["streaming_cost"]
     assert set(cost) == {
         "sinks",
@@ -181,6 +200,7 @@ def test_table(report: dict[str, Any], capsys: pytest.CaptureFixture[str]) -> No
         "loop lag",
         "first step",
         "parent CPU",
+        "projection: ",
         "streaming cost",
         "parent memory",
         "results: AsyncRunner and grid2op's Runner agree",
@@ -225,6 +245,30 @@ def test_skip_grid2op_no_probe_trio() -> None:
     _print_report(report)
 
 
+def test_workers_sweep_and_plot(tmp_path: Any) -> None:
+    plot = tmp_path / "bench.png"
+    report = _bench(
+        "--episodes", "2", "--max-iter", "5", "--workers", "2,1", "--skip-grid2op",
+        "--no-lag-probe", "--plot", str(plot),
+    )[1]  # fmt: skip
+    assert report["config"]["workers"] == 2 and report["config"]["sweep_workers"] == [1, 2]
+    rows = report["sweep"]
+    assert [r["workers"] for r in rows] == [1, 2]
+    keys = {
+        "workers", "limit_steps_per_s", "grid2op_steps_per_s", "cold_steps_per_s",
+        "warm_steps_per_s", "warm_vs_limit", "warm_vs_grid2op", "parent_cpu_us_per_step",
+    }  # fmt: skip
+    for row in rows:
+        assert set(row) == keys and row["grid2op_steps_per_s"] is None
+        for key in ("limit_steps_per_s", "cold_steps_per_s", "warm_steps_per_s"):
+            assert isinstance(row[key], float) and row[key] > 0
+    assert rows[1]["limit_steps_per_s"] == pytest.approx(2 * rows[0]["limit_steps_per_s"])
+    assert plot.stat().st_size > 10_000 and plot.read_bytes()[:4] == b"\x89PNG"
+    from asyncrunner._cli._bench_report import print_report as _print_report
+
+    _print_report(report)  # the sweep table copes with grid2op's missing figures
+
+
 def test_bad_arguments() -> None:
     done = subprocess.run(
         [sys.executable, "-m", "asyncrunner", "bench", "--workers", "0"],
@@ -234,6 +278,17 @@ def test_bad_arguments() -> None:
     )
     assert done.returncode == 2
     assert "asyncrunner bench: error" in done.stderr
+    for args, message in (
+        (["--workers", "1,1"], "each worker count once"),
+        (["--plot", "b.svg"], "PNG"),
+    ):
+        done = subprocess.run(
+            [sys.executable, "-m", "asyncrunner", "bench", *args],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert done.returncode == 2 and message in done.stderr, done.stderr
     done = subprocess.run(
         [sys.executable, "-m", "asyncrunner", "bench", "--agent", "NoSuchAgent", "--skip-grid2op"],
         capture_output=True,

@@ -31,6 +31,7 @@ arguments. Benchmark numbers are noisy on a busy machine: compare ratios from on
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.metadata
 import json
 import os
@@ -39,6 +40,8 @@ import sys
 import traceback
 import warnings
 from collections.abc import Sequence
+from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -53,14 +56,17 @@ from ._bench_contenders import (
     grid2op_runner,
     progress,
 )
+from ._bench_plot import figure
 from ._bench_report import (
     JSON_VERSION,
     KEYS,
     agreement,
     first_line,
     print_report,
+    projection,
     ratios,
     streaming_cost,
+    sweep,
     unwrap_single,
 )
 from ._common import (
@@ -69,6 +75,7 @@ from ._common import (
     Parser,
     UsageError,
     at_least,
+    check_plot,
     derive_seeds,
     load_agent,
     make_env,
@@ -123,10 +130,14 @@ def build_parser() -> Parser:
     parser.add_argument(
         "--workers",
         "-w",
-        type=at_least(1),
-        default=2,
-        metavar="N",
-        help="AsyncRunner workers and grid2op nb_process (default: 2)",
+        type=_worker_counts,
+        default=[2],
+        metavar="N[,N...]",
+        help=(
+            "AsyncRunner workers and grid2op nb_process (default: 2); a list such as 1,2,4 is a "
+            "sweep: the whole bench at the largest, grid2op's Runner and AsyncRunner cold and "
+            "warm at each, in a table"
+        ),
     )
     parser.add_argument(
         "--max-iter",
@@ -162,13 +173,28 @@ def build_parser() -> Parser:
     parser.add_argument(
         "--json", action="store_true", help="print one JSON object (keys: see the module doc)"
     )
+    parser.add_argument(
+        "--plot",
+        default=None,
+        metavar="FILE.png",
+        help="also draw each configuration's steps/s against the limit (and the sweep)",
+    )
     return parser
+
+
+def _worker_counts(text: str) -> list[int]:
+    counts = [at_least(1)(part.strip()) for part in text.split(",")]
+    if len(set(counts)) != len(counts):
+        raise argparse.ArgumentTypeError(f"each worker count once, got {text!r}")
+    return sorted(counts)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``asyncrunner bench [options]``; returns the exit status."""
     parser = build_parser()
     args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+    if args.plot is not None:
+        check_plot(parser, Path(args.plot))
     with warnings.catch_warnings():
         for message in QUIET:
             warnings.filterwarnings("ignore", message=message)
@@ -190,6 +216,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(json.dumps(report, indent=2))
     else:
         print_report(report)
+    if args.plot is not None:
+        figure(report).savefig(args.plot)
+        print(f"plot written to {args.plot}", file=sys.stderr if args.json else sys.stdout)
     failed = {name: error for name, error in report["errors"].items() if error is not None}
     labels = {"grid2op": "grid2op's Runner", "asyncrunner": "AsyncRunner"}
     for name, error in failed.items():
@@ -214,7 +243,7 @@ def _bench(args: argparse.Namespace) -> dict[str, Any]:
         assert env_seeds is not None and agent_seeds is not None
         plan = Plan(
             nb_episode=args.episodes,
-            workers=args.workers,
+            workers=args.workers[-1],  # the whole bench at the largest count
             max_iter=args.max_iter,
             episode_ids=[i % len(names) for i in range(args.episodes)] if names else None,
             env_seeds=env_seeds,
@@ -263,9 +292,14 @@ def _bench(args: argparse.Namespace) -> dict[str, Any]:
         report["asyncrunner"] = {
             key: ours.get(key) for key in ("cold", "warm", "warm_no_sinks", "warm_all_sinks")
         }
+        swept = {plan.workers: (report["grid2op"], report["asyncrunner"])}
+        for count in args.workers[:-1]:
+            swept[count] = _sweep_point(env, agent, replace(plan, workers=count), args, errors)
     finally:
         env.close()
     report["ratios"] = ratios(report, plan.workers)
+    report["projection"] = projection(report["asyncrunner"]["warm"], plan.workers)
+    report["sweep"] = sweep(report["bare_loop"], dict(sorted(swept.items())))
     report["streaming_cost"] = streaming_cost(report)
     report["agreement"] = agreement(bare_results, g2op_results, our_results)
     report["memory"] = {
@@ -278,6 +312,30 @@ def _bench(args: argparse.Namespace) -> dict[str, Any]:
     return report
 
 
+def _sweep_point(
+    env: Any, agent: Any, plan: Plan, args: argparse.Namespace, errors: dict[str, str | None]
+) -> tuple[dict[str, Any] | None, dict[str, Any]]:
+    """grid2op's Runner and AsyncRunner (cold, warm) with ``plan.workers`` workers."""
+    g2op = None
+    if not args.skip_grid2op:
+        progress(f"sweep: grid2op's Runner, nb_process={plan.workers}")
+        try:
+            g2op = grid2op_runner(env, agent, plan)[0].as_dict()
+        except Exception as exc:
+            errors["grid2op"] = first_line(f"{type(exc).__name__}: {exc}")
+    ours: dict[str, Any] = {}
+    progress(f"sweep: AsyncRunner, workers={plan.workers}")
+    try:
+        anyio.run(
+            functools.partial(asyncrunner_runs, sink_runs=False),
+            env, agent, plan, ours, {}, {"enabled": False}, backend=args.loop,
+        )  # fmt: skip
+    except Exception as exc:
+        leaf = unwrap_single(exc)
+        errors["asyncrunner"] = first_line(f"{type(leaf).__name__}: {leaf}")
+    return g2op, ours
+
+
 def _config(args: argparse.Namespace, env: Any, plan: Plan) -> dict[str, Any]:
     return {
         "env": args.env,
@@ -286,6 +344,7 @@ def _config(args: argparse.Namespace, env: Any, plan: Plan) -> dict[str, Any]:
         "agent": args.agent,
         "episodes": plan.nb_episode,
         "workers": plan.workers,
+        "sweep_workers": args.workers,
         "max_iter": plan.max_iter,
         "seed": args.seed,
         "loop": args.loop,

@@ -214,7 +214,10 @@ async def asyncrunner_runs(
     out: dict[str, Any],
     results: dict[str, list[tuple[str, int, float]]],
     probe_info: dict[str, Any],
+    *,
+    sink_runs: bool = True,
 ) -> None:
+    """The AsyncRunner runs into ``out``; ``sink_runs=False``: cold and warm only (a sweep's)."""
     from .._runner import AsyncRunner
     from ..sinks import CallbackSink
 
@@ -264,6 +267,8 @@ async def asyncrunner_runs(
             await measured(
                 "warm", time.perf_counter(), runner.run, path_save=os.path.join(tmp, "warm")
             )
+            if not sink_runs:
+                return
             await measured(
                 "warm_no_sinks", time.perf_counter(), runner.run, path_save=None, sinks=None
             )

@@ -5,7 +5,8 @@ milliseconds; ``null`` where a figure was not measured, e.g. ``grid2op`` under `
 
 - ``version``: 1, the layout of this object.
 - ``config``: ``env``, ``test``, ``backend`` (the backend class used), ``agent``, ``episodes``,
-  ``workers``, ``max_iter``, ``seed``, ``loop`` (``"asyncio"`` / ``"trio"``), ``episode_ids``,
+  ``workers`` (the largest of ``sweep_workers``: the whole bench ran with it),
+  ``sweep_workers`` (the counts ``--workers`` listed), ``max_iter``, ``seed``, ``loop`` (``"asyncio"`` / ``"trio"``), ``episode_ids``,
   ``env_seeds``, ``agent_seeds`` (what every contender played), ``cpu_count``, ``versions``
   (``python``, ``grid2op``, ``lightsim2grid``, ``anyio``, ``asyncrunner``: str or null).
 - ``lag_probe``: ``enabled`` (``--lag-probe``, the default), ``tick_ms`` (1.0),
@@ -27,6 +28,14 @@ milliseconds; ``null`` where a figure was not measured, e.g. ``grid2op`` under `
 - ``ratios``: ``cold_vs_grid2op``, ``warm_vs_grid2op`` (AsyncRunner steps/s over grid2op's),
   ``cold_vs_bare``, ``warm_vs_bare`` (AsyncRunner steps/s over N × the bare loop's),
   ``all_sinks_vs_no_sinks`` (steps/s with every sink over steps/s with none).
+- ``projection``: how many workers one orchestrating process can feed, from the warm run with
+  ``path_save``: ``parent_cpu_us_per_step``, ``steps_per_s_per_worker`` (its steps/s over N),
+  ``parent_steps_per_s`` (the steps/s at which this process would use one whole core:
+  10^6 / CPU µs per step) and ``workers_fed`` (``parent_steps_per_s`` over the per-worker rate).
+- ``sweep``: one row per worker count of ``--workers`` (one row without a sweep), in increasing
+  order: ``workers``, ``limit_steps_per_s`` (that many × the bare loop), ``grid2op_steps_per_s``,
+  ``cold_steps_per_s``, ``warm_steps_per_s`` (AsyncRunner with ``path_save``),
+  ``warm_vs_limit``, ``warm_vs_grid2op``, ``parent_cpu_us_per_step`` (warm).
 - ``streaming_cost``: ``sinks`` (class names), ``no_sinks_steps_per_s``,
   ``all_sinks_steps_per_s``, ``ratio`` (the same as ``ratios.all_sinks_vs_no_sinks``),
   ``slowdown_percent`` (``100 × (1 - ratio)``).
@@ -52,8 +61,10 @@ __all__ = [
     "finite",
     "first_line",
     "print_report",
+    "projection",
     "ratios",
     "streaming_cost",
+    "sweep",
     "unwrap_single",
 ]
 
@@ -67,6 +78,8 @@ KEYS = (
     "grid2op",
     "asyncrunner",
     "ratios",
+    "projection",
+    "sweep",
     "streaming_cost",
     "agreement",
     "errors",
@@ -102,6 +115,44 @@ def ratios(report: dict[str, Any], workers: int) -> dict[str, float | None]:
             _steps_per_s(ours["warm_all_sinks"]), _steps_per_s(ours["warm_no_sinks"])
         ),
     }
+
+
+def projection(warm: dict[str, Any] | None, workers: int) -> dict[str, float | None]:
+    """How many workers one parent process can feed at the warm run's per-worker rate."""
+    cpu = None if warm is None else warm.get("parent_cpu_us_per_step")
+    rate = _ratio(_steps_per_s(warm), workers)
+    parent = None if not cpu else finite(1e6 / cpu)
+    return {
+        "parent_cpu_us_per_step": cpu,
+        "steps_per_s_per_worker": rate,
+        "parent_steps_per_s": parent,
+        "workers_fed": _ratio(parent, rate),
+    }
+
+
+def sweep(
+    bare: dict[str, Any] | None,
+    points: dict[int, tuple[dict[str, Any] | None, dict[str, Any]]],
+) -> list[dict[str, Any]]:
+    """One row per worker count: ``points[n]`` is (grid2op's timing, the AsyncRunner runs)."""
+    rows = []
+    for n, (g2op, ours) in points.items():
+        bare_rate = _steps_per_s(bare)
+        limit = None if bare_rate is None else n * bare_rate
+        warm = ours.get("warm")
+        rows.append(
+            {
+                "workers": n,
+                "limit_steps_per_s": limit,
+                "grid2op_steps_per_s": _steps_per_s(g2op),
+                "cold_steps_per_s": _steps_per_s(ours.get("cold")),
+                "warm_steps_per_s": _steps_per_s(warm),
+                "warm_vs_limit": _ratio(_steps_per_s(warm), limit),
+                "warm_vs_grid2op": _ratio(_steps_per_s(warm), _steps_per_s(g2op)),
+                "parent_cpu_us_per_step": None if warm is None else warm["parent_cpu_us_per_step"],
+            }
+        )
+    return rows
 
 
 def streaming_cost(report: dict[str, Any]) -> dict[str, Any]:
@@ -238,6 +289,17 @@ def print_report(report: dict[str, Any]) -> None:
     if any(part is not None for part in ours.values()):
         print()
         _print_runs(report, width)
+    if len(report["sweep"]) > 1:
+        print()
+        _print_sweep(report["sweep"], width)
+    proj = report["projection"]
+    if proj["workers_fed"] is not None:
+        print(
+            f"projection: at {proj['parent_cpu_us_per_step']:,.0f} µs of CPU per step (warm, "
+            f"path_save) this process would fill one core at {proj['parent_steps_per_s']:,.0f} "
+            f"steps/s: enough for about {proj['workers_fed']:,.0f} workers at this run's "
+            f"{proj['steps_per_s_per_worker']:,.0f} steps/s per worker"
+        )
     cost = report["streaming_cost"]
     if cost["ratio"] is not None:
         print(
@@ -291,3 +353,18 @@ def _print_runs(report: dict[str, Any], width: int) -> None:
         "(first step: from the runner's construction for cold, from run() otherwise; "
         "parent CPU: event loop and sink threads)"
     )
+
+
+def _print_sweep(rows: list[dict[str, Any]], width: int) -> None:
+    print(
+        f"{'workers sweep (steps/s)':{width}}  {'limit':>8}  {'grid2op':>8}  {'cold':>8}  "
+        f"{'warm':>8}  {'warm/limit':>10}  {'warm/grid2op':>12}  {'parent CPU/step':>15}"
+    )
+    for row in rows:
+        print(
+            f"{'N = ' + str(row['workers']):{width}}  {_num(row['limit_steps_per_s']):>8}  "
+            f"{_num(row['grid2op_steps_per_s']):>8}  {_num(row['cold_steps_per_s']):>8}  "
+            f"{_num(row['warm_steps_per_s']):>8}  {_num(row['warm_vs_limit'], '.2f', '×'):>10}  "
+            f"{_num(row['warm_vs_grid2op'], '.2f', '×'):>12}  "
+            f"{_num(row['parent_cpu_us_per_step'], ',.0f', ' µs'):>15}"
+        )

@@ -8,7 +8,9 @@ import importlib
 import importlib.util
 import os
 import sys
+import tempfile
 import warnings
+from pathlib import Path
 from typing import Any, NoReturn
 
 __all__ = [
@@ -17,6 +19,7 @@ __all__ = [
     "Parser",
     "UsageError",
     "at_least",
+    "check_plot",
     "derive_seeds",
     "load_agent",
     "make_env",
@@ -40,6 +43,28 @@ class Parser(argparse.ArgumentParser):
 
 class UsageError(Exception):
     """A bad argument found after parsing (unknown agent, env that cannot be made, ...)."""
+
+
+def check_plot(parser: argparse.ArgumentParser, plot: Path) -> None:
+    """Reject a ``--plot`` file that cannot be written, before any work."""
+    if plot.suffix.lower() != ".png":
+        parser.error(f"--plot writes a PNG file: give a name ending in .png, not {plot.name!r}")
+    if plot.is_dir():
+        parser.error(f"--plot {plot} is a folder: give a file name ending in .png")
+    folder = plot.absolute().parent
+    if not folder.is_dir():
+        what = "is a file" if folder.exists() else "does not exist"
+        parser.error(f"--plot {plot}: the folder {folder} {what}; create it or choose another")
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".asyncrunner-probe-", dir=folder)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        parser.error(f"--plot {plot}: cannot write in {folder} ({exc.strerror or exc})")
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        parser.error('--plot needs matplotlib: pip install "asyncrunner[plot]"')
 
 
 def at_least(minimum: int) -> Any:

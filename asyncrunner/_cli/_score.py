@@ -13,6 +13,7 @@ import json
 import sys
 import warnings
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from .._exceptions import EpisodeError
@@ -23,6 +24,7 @@ from ._common import (
     Parser,
     UsageError,
     at_least,
+    check_plot,
     derive_seeds,
     load_agent,
     make_env,
@@ -72,8 +74,8 @@ def main(argv: Sequence[str]) -> int:
     args = parser.parse_args(list(argv))
     if args.resume and args.save is None:
         parser.error("--resume needs --save DIR: the folder of the score to resume")
-    if args.plot is not None and not args.plot.lower().endswith(".png"):
-        parser.error(f"--plot writes a PNG file: give a name ending in .png, not {args.plot!r}")
+    if args.plot is not None:
+        check_plot(parser, Path(args.plot))
     try:
         agents = [load_agent(spec) for spec in args.agent]
         env = make_env(args.env, test=args.test, backend=args.backend)

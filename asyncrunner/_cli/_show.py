@@ -10,15 +10,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
-import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
 
 import numpy as np
+
+from ._common import check_plot
 
 __all__ = ["EpisodeSummary", "episode_dirs", "figure", "main", "read_run"]
 
@@ -216,24 +216,6 @@ def figure(root: Path, episodes: Sequence[EpisodeSummary]) -> Any:
     return fig
 
 
-def _check_plot_path(parser: _Parser, plot: Path) -> None:
-    """Reject a plot file that cannot be written before reading and drawing anything."""
-    if plot.suffix.lower() != ".png":
-        parser.error(f"--plot writes a PNG file: give a name ending in .png, not {plot.name!r}")
-    if plot.is_dir():
-        parser.error(f"--plot {plot} is a folder: give a file name ending in .png")
-    folder = plot.absolute().parent
-    if not folder.is_dir():
-        what = "is a file" if folder.exists() else "does not exist"
-        parser.error(f"--plot {plot}: the folder {folder} {what}; create it or choose another")
-    try:
-        fd, probe = tempfile.mkstemp(prefix=".asyncrunner-probe-", dir=folder)
-        os.close(fd)
-        os.unlink(probe)
-    except OSError as exc:
-        parser.error(f"--plot {plot}: cannot write in {folder} ({exc.strerror or exc})")
-
-
 def main(argv: Sequence[str]) -> int:
     """``asyncrunner show DIR [--plot FILE.png]``; returns the exit status."""
     parser = _parser()
@@ -246,11 +228,7 @@ def main(argv: Sequence[str]) -> int:
     plot = None
     if args.plot is not None:
         plot = Path(args.plot)
-        _check_plot_path(parser, plot)
-        try:
-            import matplotlib  # noqa: F401
-        except ImportError:
-            parser.error('--plot needs matplotlib: pip install "asyncrunner[plot]"')
+        check_plot(parser, plot)
     try:
         episodes = read_run(root)
     except (OSError, ValueError, KeyError) as exc:
