@@ -8,6 +8,7 @@ and splice cached compressed padding into each ``.npz``. What ``np.load`` and
 from __future__ import annotations
 
 import io
+import threading
 import tracemalloc
 import warnings
 import zipfile
@@ -21,6 +22,7 @@ from grid2op.Episode import EpisodeData
 
 from asyncrunner import AsyncRunner
 from asyncrunner._model import EpisodeStarted, Event, StepBatch
+from asyncrunner._plan._layout import sync
 from asyncrunner.sinks import CallbackSink
 from asyncrunner.sinks._buffer import EpisodeBuffer
 from asyncrunner.sinks._npz import Padded, npz_bytes
@@ -168,3 +170,24 @@ async def test_buffer_holds_the_rows_played_only(tmp_path: Path) -> None:
         tracemalloc.stop()
     assert held < whole / 10
     assert buffer.arrays()["observations"].shape == (started.max_ts + 1, width)
+
+
+def test_sync_keeps_its_threads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Flushing an episode's files does not start a thread per file each time (CPU)."""
+    paths = []
+    for i in range(14):
+        (tmp_path / f"{i}.npz").write_bytes(b"saved")
+        paths.append(str(tmp_path / f"{i}.npz"))
+    paths.append(str(tmp_path))
+    sync(paths)
+    started: list[threading.Thread] = []
+    start = threading.Thread.start
+
+    def counted(thread: threading.Thread) -> None:
+        started.append(thread)
+        start(thread)
+
+    monkeypatch.setattr(threading.Thread, "start", counted)
+    for _ in range(3):
+        sync(paths)
+    assert len(started) < len(paths)

@@ -5,10 +5,12 @@ compresses them whole in its worker processes; our writers compress in the paren
 is taken from the workers. A ``Padded`` array is the rows played plus how many padding rows follow:
 the played rows are deflated (zlib level 1: about twice as fast as grid2op's 6, files a few
 percent larger), and the padding is spliced in from blocks of ``2**k`` fill rows (up to about
-1 MiB, repeated for longer padding) compressed once per process. Each block is a deflate segment of its own (no back-references before it) ending on
-a byte boundary, so segments concatenate into one valid stream; the zip member's CRC-32 is
-combined from the cached CRCs of the blocks. ``np.load`` reads exactly the array that
-``np.savez_compressed`` of the full array would give.
+1 MiB, repeated for longer padding) compressed once per process. Each block is a deflate segment
+of its own (no back-references before it) ending on a byte boundary, so segments concatenate
+into one valid stream. The zip member's CRC-32 combines the played bytes' with the padding's,
+which is computed arithmetically from the fill row's (as zlib's ``crc32_combine``), never over
+the padding's bytes. ``np.load`` reads exactly the array ``np.savez_compressed`` of the whole
+array would give.
 """
 
 from __future__ import annotations
@@ -115,8 +117,8 @@ def _deflate(value: np.ndarray | Padded) -> tuple[list[bytes], int, int]:
     parts.append(compressor.flush(zlib.Z_SYNC_FLUSH))  # byte-aligned, not final
     fill = np.ascontiguousarray(value.fill, dtype=head.dtype).tobytes()
     top = _top(fill)
-    parts += [_padding(fill, top)[0]] * (pad >> top)
-    parts += (_padding(fill, k)[0] for k in range(top) if pad >> k & 1)
+    parts += [_padding(fill, top)] * (pad >> top)
+    parts += (_padding(fill, k) for k in range(top) if pad >> k & 1)
     parts.append(_FINAL)
     pad_crc, shift = _padding_crc(fill, pad)
     return parts, _multmodp(shift, crc) ^ pad_crc, size + len(fill) * pad
@@ -142,25 +144,31 @@ def _top(fill: bytes) -> int:
 
 
 @functools.lru_cache(maxsize=512)
-def _padding(fill: bytes, k: int) -> tuple[bytes, int]:
-    """``2**k`` rows ``fill``: a deflate segment of its own, and its CRC-32."""
-    data = fill * (1 << k)
+def _padding(fill: bytes, k: int) -> bytes:
+    """``2**k`` rows ``fill``: a deflate segment of its own."""
     compressor = zlib.compressobj(9, zlib.DEFLATED, -15)  # once per process: compress well
-    return compressor.compress(data) + compressor.flush(zlib.Z_SYNC_FLUSH), zlib.crc32(data)
+    return compressor.compress(fill * (1 << k)) + compressor.flush(zlib.Z_SYNC_FLUSH)
 
 
 @functools.lru_cache(maxsize=4096)
 def _padding_crc(fill: bytes, pad: int) -> tuple[int, int]:
     """The CRC-32 of ``pad`` rows ``fill``, and what shifts a CRC past them."""
-    top = _top(fill)
-    crc = 0
-    shift = _x2nmodp(len(fill) << top, 3)
-    for _ in range(pad >> top):
-        crc = _multmodp(shift, crc) ^ _padding(fill, top)[1]
-    for k in range(top):
+    crc, shift = 0, 1 << 31  # of nothing: 0, and x^0
+    for k in range(pad.bit_length()):
         if pad >> k & 1:
-            crc = _multmodp(_x2nmodp(len(fill) << k, 3), crc) ^ _padding(fill, k)[1]
-    return crc, _x2nmodp(len(fill) * pad, 3)
+            rows_crc, rows_shift = _rows_crc(fill, k)
+            crc = _multmodp(rows_shift, crc) ^ rows_crc
+            shift = _multmodp(rows_shift, shift)
+    return crc, shift
+
+
+@functools.lru_cache(maxsize=1024)
+def _rows_crc(fill: bytes, k: int) -> tuple[int, int]:
+    """The CRC-32 of ``2**k`` rows ``fill`` (from half as many), and the shift past them."""
+    if k == 0:
+        return zlib.crc32(fill), _x2nmodp(len(fill), 3)
+    crc, shift = _rows_crc(fill, k - 1)
+    return _multmodp(shift, crc) ^ crc, _multmodp(shift, shift)
 
 
 # CRC-32 arithmetic as zlib's crc32_combine does it (polynomials modulo the CRC's, reflected),
