@@ -12,6 +12,7 @@ import errno
 import hashlib
 import json
 import os
+import threading
 import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -61,9 +62,32 @@ def sync(paths: Sequence[str]) -> None:
     if len(paths) == 1:
         _fsync(paths[0])
         return
-    with concurrent.futures.ThreadPoolExecutor(len(paths)) as pool:
-        for _ in pool.map(_fsync, paths):
-            pass
+    for _ in _fsync_pool().map(_fsync, paths):
+        pass
+
+
+# Threads kept from one call to the next: starting 15 threads per saved episode cost the parent
+# more CPU than the fsync calls (about 3 ms against 1 ms per episode, here).
+_POOL: concurrent.futures.ThreadPoolExecutor | None = None
+_POOL_LOCK = threading.Lock()
+
+
+def _fsync_pool() -> concurrent.futures.ThreadPoolExecutor:
+    global _POOL
+    with _POOL_LOCK:
+        if _POOL is None:
+            _POOL = concurrent.futures.ThreadPoolExecutor(16, thread_name_prefix="asyncrunner-sync")
+        return _POOL
+
+
+def _forget_pool() -> None:
+    global _POOL, _POOL_LOCK
+    _POOL = None  # a forked child has none of its threads (nor their lock's owner)
+    _POOL_LOCK = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_pool)
 
 
 def _fsync(path: str) -> None:

@@ -16,120 +16,99 @@ from .._model import (
     StepBatch,
 )
 from ._base import Sink
+from ._npz import Padded
 
 __all__ = ["BufferingSink", "EpisodeBuffer"]
 
-# Rows added at a time when an episode's length is unknown (max_ts <= 0).
+# Rows allocated first, then doubled when full: only the rows played are kept.
 _GROW_ROWS = 64
+# Each array's padding, as grid2op's Runner preallocates it, and its dtype.
+_FILLS: Mapping[str, tuple[Any, Any]] = {
+    "observations": (np.nan, np.float32),
+    "rewards": (np.nan, np.float32),
+    "times": (np.nan, np.float32),
+    "legal": (True, np.bool_),
+    "ambiguous": (False, np.bool_),
+    "actions": (np.nan, np.float32),
+    "env_actions": (np.nan, np.float32),
+    "disc_lines": (True, np.bool_),
+    "attacks": (0.0, np.float32),
+    "other_rewards": (np.nan, np.float64),
+}
+_WIDE = ("actions", "env_actions", "disc_lines", "attacks", "other_rewards")
 
 
 class EpisodeBuffer:
     """One attempt of one episode, in arrays shaped as grid2op's Runner allocates them.
 
-    With ``capacity > 0`` the arrays hold ``capacity`` rows (observations one more) padded as
-    grid2op pads them (NaN; ``True`` for disconnected lines; ``0`` for attacks); otherwise they
-    grow and are cut to the steps played.
+    With ``capacity > 0`` the arrays have ``capacity`` rows (observations one more), the rows
+    after the last step padded as grid2op pads them (NaN; ``True`` for disconnected lines and
+    legal; ``False`` for ambiguous; ``0`` for attacks); otherwise they hold the steps played.
+    Only the rows played are kept (for a short episode the padding would be nearly all of its
+    memory): ``padded()`` gives them with their padding, ``arrays()`` the whole arrays.
     """
 
     def __init__(self, started: EpisodeStarted, capacity: int) -> None:
         self.started = started
         self.attempt = started.attempt
-        self.fixed = capacity > 0
-        self.capacity = capacity if capacity > 0 else 0
+        self.capacity = max(capacity, 0)
         self.n = 0
         self.cum_reward64 = 0.0  # as CompactEpisodeData sums: float(reward) in float64
-        first = np.asarray(started.observation, dtype=np.float32)
-        self.observations = np.full((self.capacity + 1, first.shape[0]), np.nan, dtype=np.float32)
-        self.observations[0] = first
-        self.rewards = np.full(self.capacity, np.nan, dtype=np.float32)
-        self.times = np.full(self.capacity, np.nan, dtype=np.float32)
-        self.legal = np.full(self.capacity, True, dtype=np.bool_)
-        self.ambiguous = np.full(self.capacity, False, dtype=np.bool_)
-        # Their widths come with the first batch.
-        self.actions: np.ndarray | None = None
-        self.env_actions: np.ndarray | None = None
-        self.disc_lines: np.ndarray | None = None
-        self.attacks: np.ndarray | None = None
-        self.other_rewards: np.ndarray | None = None
+        self._first = np.asarray(started.observation, dtype=np.float32)
+        self._data: dict[str, np.ndarray] = {}  # allocated with the first batch's widths
 
-    _PAD: Mapping[str, tuple[Any, Any]] = {
-        "actions": (np.nan, np.float32),
-        "env_actions": (np.nan, np.float32),
-        "disc_lines": (True, np.bool_),
-        "attacks": (0.0, np.float32),
-        "other_rewards": (np.nan, np.float64),
-    }
-
-    def _wide(self, name: str, width: int, rows: int) -> np.ndarray:
-        fill, dtype = self._PAD[name]
-        return np.full((rows, width), fill, dtype=dtype)
+    def _allocate(self, shapes: Mapping[str, tuple[int, ...]]) -> None:
+        for name, (fill, dtype) in _FILLS.items():
+            rows = _GROW_ROWS + (name == "observations")
+            self._data[name] = np.full((rows, *shapes[name]), fill, dtype=dtype)
+        self._data["observations"][0] = self._first
 
     def _reserve(self, rows: int) -> None:
-        if rows <= self.capacity:
+        size = len(self._data["rewards"])
+        if rows <= size:
             return
-        new = max(rows, 2 * self.capacity, _GROW_ROWS)
-
-        def grown(arr: np.ndarray, fill: Any, extra: int = 0) -> np.ndarray:
-            out = np.full((new + extra, *arr.shape[1:]), fill, dtype=arr.dtype)
-            out[: arr.shape[0]] = arr
-            return out
-
-        self.observations = grown(self.observations, np.nan, 1)
-        self.rewards = grown(self.rewards, np.nan)
-        self.times = grown(self.times, np.nan)
-        self.legal = grown(self.legal, True)
-        self.ambiguous = grown(self.ambiguous, False)
-        for name, (fill, _) in self._PAD.items():
-            arr = getattr(self, name)
-            if arr is not None:
-                setattr(self, name, grown(arr, fill))
-        self.capacity = new
+        new = max(rows, 2 * size)
+        for name, arr in self._data.items():
+            out = np.full(
+                (new + (name == "observations"), *arr.shape[1:]), _FILLS[name][0], arr.dtype
+            )
+            out[: len(arr)] = arr
+            self._data[name] = out
 
     def add(self, batch: StepBatch) -> None:
         k = len(batch)
         lo = batch.first_step - 1
-        hi = lo + k
-        self._reserve(hi)
-        if self.actions is None:
-            rows = self.capacity
-            self.actions = self._wide("actions", batch.actions.shape[1], rows)
-            self.env_actions = self._wide("env_actions", batch.env_actions.shape[1], rows)
-            self.disc_lines = self._wide("disc_lines", batch.disc_lines.shape[1], rows)
-            self.attacks = self._wide("attacks", batch.attacks.shape[1], rows)
-            self.other_rewards = self._wide("other_rewards", batch.other_rewards.shape[1], rows)
-        assert self.env_actions is not None and self.disc_lines is not None
-        assert self.attacks is not None and self.other_rewards is not None
-        self.actions[lo:hi] = batch.actions
-        self.env_actions[lo:hi] = batch.env_actions
-        self.observations[lo + 1 : hi + 1] = batch.observations
-        self.rewards[lo:hi] = batch.rewards
-        self.times[lo:hi] = batch.agent_times
-        self.disc_lines[lo:hi] = batch.disc_lines
-        self.attacks[lo:hi] = batch.attacks
-        self.legal[lo:hi] = batch.legal
-        self.ambiguous[lo:hi] = batch.ambiguous
-        self.other_rewards[lo:hi] = batch.other_rewards
+        if not self._data:
+            self._allocate({name: _of(batch, name).shape[1:] for name in _FILLS})
+        self._reserve(lo + k)
+        for name, arr in self._data.items():
+            start = lo + (name == "observations")
+            arr[start : start + k] = _of(batch, name)
         for reward in batch.rewards.tolist():
             self.cum_reward64 += float(reward)
-        self.n = max(self.n, hi)
+        self.n = max(self.n, lo + k)
+
+    def padded(self) -> dict[str, Padded]:
+        """The arrays to save: the rows played, and the padding that follows them."""
+        if not self._data:  # no step arrived (grid2op always plays at least one)
+            shapes = {name: (0,) if name in _WIDE else () for name in _FILLS}
+            self._allocate({**shapes, "observations": self._first.shape})
+        rows = max(self.capacity, self.n) if self.capacity else self.n
+        out = {}
+        for name, arr in self._data.items():
+            extra = int(name == "observations")
+            fill = np.full(arr.shape[1:], _FILLS[name][0], dtype=arr.dtype)
+            out[name] = Padded(arr[: self.n + extra], rows + extra, fill)
+        return out
 
     def arrays(self) -> dict[str, np.ndarray]:
-        """The arrays to save: preallocated ones whole, grown ones cut to the steps played."""
-        if self.actions is None:  # no step arrived (grid2op always plays at least one)
-            self._reserve(1)
-            for name in self._PAD:
-                setattr(self, name, self._wide(name, 0, self.capacity))
-        rows = self.capacity if self.fixed else self.n
-        out = {
-            "observations": self.observations[: rows + 1],
-            "rewards": self.rewards[:rows],
-            "times": self.times[:rows],
-            "legal": self.legal[:rows],
-            "ambiguous": self.ambiguous[:rows],
-        }
-        for name in self._PAD:
-            out[name] = getattr(self, name)[:rows]
-        return out
+        """The whole arrays, padding included."""
+        return {name: padded.full() for name, padded in self.padded().items()}
+
+
+def _of(batch: StepBatch, name: str) -> np.ndarray:
+    """A batch's rows of array ``name``."""
+    return batch.agent_times if name == "times" else getattr(batch, name)
 
 
 class BufferingSink(Sink):

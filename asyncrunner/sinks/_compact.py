@@ -12,7 +12,7 @@ import numpy as np
 from .._model import EpisodeFinished, EpisodeStarted
 from .._plan._layout import SPACE_FILES, sync
 from ._buffer import EpisodeBuffer
-from ._npz import npz_bytes
+from ._npz import Padded, npz_bytes
 from ._writer import Writer, json_bytes, write_file
 
 __all__ = ["CompactEpisodeWriter"]
@@ -95,10 +95,10 @@ def compact_capacity(started: EpisodeStarted) -> int:
 
 def compact_content(
     buffer: EpisodeBuffer, finished: EpisodeFinished
-) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+) -> tuple[dict[str, Any], dict[str, Padded]]:
     """A CompactEpisodeData's metadata and arrays, as grid2op's Runner makes them."""
     started = buffer.started
-    arrays = buffer.arrays()
+    arrays = buffer.padded()
     names = list(started.other_reward_names)
     order = sorted(range(len(names)), key=names.__getitem__)
     duration = int(started.max_episode_duration)
@@ -116,12 +116,12 @@ def compact_content(
         "cumulative_reward": buffer.cum_reward64,
     }
     data = {
-        "actions": arrays["actions"].astype(np.float16),
+        "actions": arrays["actions"].map(lambda a: a.astype(np.float16)),
         "env_actions": arrays["env_actions"],
         "attacks": arrays["attacks"],
         "observations": arrays["observations"],
         "rewards": arrays["rewards"],
-        "other_rewards": arrays["other_rewards"][:, order].astype(np.float32),
+        "other_rewards": arrays["other_rewards"].map(lambda a: a[:, order].astype(np.float32)),
         "disc_lines": arrays["disc_lines"],
         "times": arrays["times"],
         "legal": arrays["legal"],

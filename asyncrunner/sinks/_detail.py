@@ -147,7 +147,8 @@ def compact_episode_data(
     """The ``CompactEpisodeData`` grid2op's Runner returns (``use_compact_episode_data=True``)."""
     from grid2op.Episode import CompactEpisodeData
 
-    meta, arrays = compact_content(buffer, finished)
+    meta, padded = compact_content(buffer, finished)
+    arrays = {name: array.full() for name, array in padded.items()}
     n_line = int(env.backend.n_line)
     n_attack = int(env._opponent_action_space.n)
     episode = CompactEpisodeData.__new__(CompactEpisodeData)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
@@ -24,13 +24,10 @@ from .._plan._layout import (
     sync,
 )
 from ._buffer import EpisodeBuffer
-from ._npz import npz_bytes
+from ._npz import Padded, npz_bytes
 from ._writer import Writer, json_bytes, write_file
 
 __all__ = ["EpisodeDataWriter"]
-
-if TYPE_CHECKING:
-    pass
 
 
 class EpisodeDataWriter(Writer):
@@ -80,7 +77,7 @@ class EpisodeDataWriter(Writer):
         from grid2op.Space import GRID2OP_CURRENT_VERSION_STR
 
         started = buffer.started
-        arrays = buffer.arrays()
+        arrays = buffer.padded()
         meta = {
             "chronics_path": started.chronics_path,
             "chronics_max_timestep": started.meta["chronics_max_timestep"],
@@ -93,7 +90,7 @@ class EpisodeDataWriter(Writer):
             "agent_seed": None if finished.agent_seed is None else int(finished.agent_seed),
         }
         names = started.other_reward_names
-        played = arrays["other_rewards"][: buffer.n].tolist()
+        played = arrays["other_rewards"].head.tolist()
         other_rewards = [dict(zip(names, row, strict=True)) for row in played]
         files: dict[str, dict[str, Any]] = {}
 
@@ -114,7 +111,12 @@ class EpisodeDataWriter(Writer):
         put("opponent_attack.npz", npz_bytes(data=arrays["attacks"]))
         put("disc_lines_cascading_failure.npz", npz_bytes(data=arrays["disc_lines"]))
         put("rewards.npz", npz_bytes(data=arrays["rewards"]))
-        legal_ambiguous = np.stack((arrays["legal"], arrays["ambiguous"]), axis=1)
+        legal, ambiguous = arrays["legal"], arrays["ambiguous"]
+        legal_ambiguous = Padded(
+            np.stack((legal.head, ambiguous.head), axis=1),
+            legal.rows,
+            np.stack((legal.fill, ambiguous.fill)),
+        )
         put("legal_ambiguous.npz", npz_bytes(data=legal_ambiguous))
         put("grid2op.info", json_bytes({"version": f"{GRID2OP_CURRENT_VERSION_STR}"}))
         record = {

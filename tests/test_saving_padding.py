@@ -1,0 +1,193 @@
+"""Saving a short episode of a long chronic: the padding grid2op adds costs almost nothing.
+
+grid2op pads an episode's arrays to its chronic's length; the writers keep only the rows played
+and splice cached compressed padding into each ``.npz``. What ``np.load`` and
+``EpisodeData.from_disk`` read must be exactly what the whole arrays were.
+"""
+
+from __future__ import annotations
+
+import io
+import threading
+import tracemalloc
+import warnings
+import zipfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from grid2op.Agent import RandomAgent
+from grid2op.Episode import EpisodeData
+
+from asyncrunner import AsyncRunner
+from asyncrunner._model import EpisodeStarted, Event, StepBatch
+from asyncrunner._plan._layout import sync
+from asyncrunner.sinks import CallbackSink
+from asyncrunner.sinks._buffer import EpisodeBuffer
+from asyncrunner.sinks._npz import Padded, npz_bytes
+
+SHORT: dict[str, Any] = dict(nb_episode=2, episode_id=[0, 1], env_seeds=[3, 4], agent_seeds=[5, 6])
+
+
+def _savez(**arrays: Any) -> bytes:
+    out = io.BytesIO()
+    np.savez_compressed(out, **arrays)
+    return out.getvalue()
+
+
+def _head(rng: np.random.Generator, dtype: Any, shape: tuple[int, ...]) -> np.ndarray:
+    if dtype == np.bool_:
+        return rng.random(shape) < 0.5
+    head = rng.normal(size=shape).astype(dtype)
+    head[rng.random(shape) < 0.2] = np.nan
+    return head
+
+
+@pytest.mark.parametrize(
+    ("dtype", "fill"),
+    [(np.float32, np.nan), (np.float64, np.nan), (np.float32, 0.0), (np.bool_, True)],
+)
+@pytest.mark.parametrize(
+    ("played", "rows", "width"),
+    [
+        (4, 8064, 536),
+        (0, 9, 3),
+        (6, 6, 2),
+        (1, 2, 1),
+        (5, 69, None),
+        (3, 3 + 2**10, 4),
+        (2, 3 * 2**14 + 7, 32),
+    ],
+)
+def test_padded_npz_reads_as_savez_compressed(
+    dtype: Any, fill: Any, played: int, rows: int, width: int | None
+) -> None:
+    rng = np.random.default_rng(played + rows)
+    row = () if width is None else (width,)
+    padded = Padded(_head(rng, dtype, (played, *row)), rows, np.full(row, fill, dtype=dtype))
+    whole = padded.full()
+    assert whole.shape == (rows, *row)
+    ours = npz_bytes(data=padded, plain=whole[:played])
+    assert zipfile.ZipFile(io.BytesIO(ours)).testzip() is None  # every member's CRC-32
+    theirs = _savez(data=whole, plain=whole[:played])
+    for name in ("data.npy", "plain.npy"):  # the same .npy files, byte for byte
+        assert zipfile.ZipFile(io.BytesIO(ours)).read(name) == (
+            zipfile.ZipFile(io.BytesIO(theirs)).read(name)
+        )
+    loaded = np.load(io.BytesIO(ours))
+    assert loaded["data"].dtype == whole.dtype and loaded["data"].shape == whole.shape
+    assert loaded["data"].tobytes() == whole.tobytes()  # NaN patterns included
+
+
+def test_padded_npz_of_a_two_column_fill() -> None:
+    """``legal_ambiguous.npz``: legal pads with True, ambiguous with False."""
+    head = np.array([[True, True], [False, True], [True, False]])
+    padded = Padded(head, 100, np.array([True, False]))
+    assert np.load(io.BytesIO(npz_bytes(data=padded)))["data"].tobytes() == (
+        np.concatenate((head, np.tile([True, False], (97, 1)))).tobytes()
+    )
+
+
+@pytest.mark.slow
+def test_padded_npz_beyond_4_gib() -> None:
+    """Zip64: an array of more than 4 GiB (a long chronic, a wide grid) reads back whole."""
+    head = np.arange(12, dtype=np.float32).reshape(3, 4)
+    rows = 2**28 + 5  # 4 GiB and 80 bytes of float32
+    data = npz_bytes(data=Padded(head, rows, np.full(4, np.nan, dtype=np.float32)))
+    assert len(data) < 2**24
+    with zipfile.ZipFile(io.BytesIO(data)) as archive, archive.open("data.npy") as member:
+        assert archive.getinfo("data.npy").file_size > 2**32
+        assert np.lib.format.read_magic(member) == (1, 0)
+        shape, fortran, dtype = np.lib.format.read_array_header_1_0(member)
+        assert (shape, fortran, dtype) == ((rows, 4), False, np.dtype(np.float32))
+        assert np.frombuffer(member.read(head.nbytes), dtype=np.float32).tobytes() == (
+            head.tobytes()
+        )
+        nan_row = np.full(4, np.nan, dtype=np.float32).tobytes()
+        left = (rows - 3) * 16
+        while left:  # zipfile checks the CRC-32 at the end
+            chunk = member.read(min(left, 2**26))
+            assert chunk == nan_row * (len(chunk) // 16)
+            left -= len(chunk)
+        assert member.read() == b""
+
+
+async def _events(tmp_path: Path) -> tuple[list[Event], list[Any]]:
+    from .conftest import make_env
+
+    events: list[Event] = []
+    env = make_env("rte_case14_opponent")
+    async with AsyncRunner(env, agent=RandomAgent, workers=1) as runner:
+        results = await runner.run(
+            **SHORT,
+            path_save=tmp_path,
+            add_detailed_output=True,
+            sinks=[CallbackSink(events.append)],
+        )
+    env.close()
+    return events, results
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_short_episode_saved_whole(tmp_path: Path) -> None:
+    """Every saved array of a short episode of a long chronic reads back padded to its length,
+    equal to the EpisodeData built in memory from the whole arrays."""
+    _, results = await _events(tmp_path)
+    for result in results:
+        assert 0 < result.nb_time_step < result.max_ts  # short: mostly padding
+        detail = result.episode_data
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            saved = EpisodeData.from_disk(str(tmp_path), Path(result.path).name)
+        for name in ("actions", "env_actions", "observations", "attacks"):
+            ours = getattr(saved, name).collection
+            assert ours.shape[0] == result.max_ts + (name == "observations")
+            assert ours.tobytes() == getattr(detail, name).collection.tobytes(), name
+        for name in ("rewards", "disc_lines", "times", "legal", "ambiguous"):
+            ours = np.asarray(getattr(saved, name))
+            assert ours.shape[0] == result.max_ts
+            assert ours.tobytes() == np.asarray(getattr(detail, name)).tobytes(), name
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_buffer_holds_the_rows_played_only(tmp_path: Path) -> None:
+    """While a short episode plays, its buffer does not hold the chronic's length of rows."""
+    events, _ = await _events(tmp_path)
+    started = next(e for e in events if isinstance(e, EpisodeStarted) and e.index == 0)
+    batches = [e for e in events if isinstance(e, StepBatch) and e.index == 0]
+    width = started.observation.shape[0]
+    whole = (started.max_ts + 1) * width * 4  # the observations alone, padded
+    tracemalloc.start()
+    try:
+        buffer = EpisodeBuffer(started, started.max_ts)
+        for batch in batches:
+            buffer.add(batch)
+        held, _ = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert held < whole / 10
+    assert buffer.arrays()["observations"].shape == (started.max_ts + 1, width)
+
+
+def test_sync_keeps_its_threads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Flushing an episode's files does not start a thread per file each time (CPU)."""
+    paths = []
+    for i in range(14):
+        (tmp_path / f"{i}.npz").write_bytes(b"saved")
+        paths.append(str(tmp_path / f"{i}.npz"))
+    paths.append(str(tmp_path))
+    sync(paths)
+    started: list[threading.Thread] = []
+    start = threading.Thread.start
+
+    def counted(thread: threading.Thread) -> None:
+        started.append(thread)
+        start(thread)
+
+    monkeypatch.setattr(threading.Thread, "start", counted)
+    for _ in range(3):
+        sync(paths)
+    assert len(started) < len(paths)
