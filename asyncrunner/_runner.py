@@ -138,6 +138,9 @@ class AsyncRunner(AsyncResource):
         self._closed = False
         self._held = False  # the env is held here for forked workers (released on close)
         self._shares_pool = False  # another runner's pool (``sharing_workers``): not ours to stop
+        # An env built from the recipe's params and never played, held for forked workers
+        # instead of a build here (compat gives the one grid2op's constructor built).
+        self._lent_env: Any = None
 
     # --- the pool ------------------------------------------------------------------------------
 
@@ -159,7 +162,9 @@ class AsyncRunner(AsyncResource):
         self._check_open()
         if self._get_pool().forks_this_process and not self._held:
             self._held = True  # before the await: a cancel lands after the hold is done
-            self._held = await anyio.to_thread.run_sync(hold, self._recipe_key, self._recipe_bytes)
+            self._held = await anyio.to_thread.run_sync(
+                hold, self._recipe_key, self._recipe_bytes, self._lent_env
+            )
 
     async def aclose(self) -> None:
         """Stop the warm-up, then the worker processes this runner used (idle ones)."""

@@ -391,24 +391,34 @@ def test_env_kinds_grid2op_builds_specially(kind: str, tmp_path: Path) -> None:
     env.close()
 
 
-def test_envs_built_in_this_process_by_a_run(env: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    # grid2op's constructor builds an env and closes it; compat keeps that one for its runs, and
-    # builds the workers' env once here (forked workers start with it): two builds in this
-    # process, none in the workers. grid2op's Runner builds one per episode (nb_process=1).
-    built: list[tuple[int, str]] = []
+def test_envs_built_in_this_process_by_a_run(
+    env: Any, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    # grid2op's constructor builds an env and closes it; compat keeps that one for its runs and
+    # as the pristine env its forked workers start with: one build in all, none in the workers.
+    # grid2op's Runner builds one per episode (nb_process=1).
+    log = tmp_path / "builds"  # a file: the forked workers' builds are noted too
     new_env = GridRunner._new_env
 
     def counting(self: Any, *args: Any, **kwargs: Any) -> Any:
-        built.append((os.getpid(), type(self).__module__))
+        with log.open("a") as f:
+            f.write(f"{os.getpid()} {type(self).__module__}\n")
         return new_env(self, *args, **kwargs)
+
+    def built() -> list[str]:
+        return log.read_text().splitlines() if log.exists() else []
 
     monkeypatch.setattr(GridRunner, "_new_env", counting)
     kwargs: dict[str, Any] = dict(nb_episode=2, max_iter=3, env_seeds=[1, 2], agent_seeds=[3, 4])
     runner = compat_runner(env, agentClass=DoNothingAgent)
-    here = os.getpid()
-    assert built == [(here, "asyncrunner.compat._runner")]  # grid2op's constructor's, kept
+    once = [f"{os.getpid()} asyncrunner.compat._runner"]
+    assert built() == once  # grid2op's constructor's, kept
+    kept = runner._ar_env
     results = runner.run(nb_process=2, **kwargs)
-    # ... and the workers' pristine env, built by the worker's code (asyncrunner's env cache).
-    assert built == [(here, "asyncrunner.compat._runner"), (here, "asyncrunner._engine._envs")]
+    results_again = runner.run(nb_process=2, **kwargs)
+    assert built() == once  # nothing built since, here or in the workers of both runs
+    assert not kept._BaseEnv__closed  # the runner's until close()
     runner.close()
+    assert kept._BaseEnv__closed
+    assert head(results) == head(results_again)
     assert head(results) == head(quiet(grid_runner(env, agentClass=DoNothingAgent).run, **kwargs))

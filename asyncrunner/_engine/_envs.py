@@ -17,7 +17,7 @@ from typing import Any
 
 from ._recipe import Recipe
 
-__all__ = ["builds", "discard", "get_env", "hold", "release", "warm"]
+__all__ = ["builds", "discard", "disown", "get_env", "hold", "release", "warm"]
 
 # How many envs one worker keeps (a worker may serve several runners in turn).
 _MAX_ENVS = 2
@@ -32,11 +32,12 @@ class _Cached:
     episode changes reaches the pristine env or the next episode.
     """
 
-    def __init__(self, recipe: Recipe, pristine: Any = None) -> None:
+    def __init__(self, recipe: Recipe, pristine: Any = None, *, lent: bool = False) -> None:
         self.recipe = recipe
-        # Another agent's recipe on the same env may lend its pristine env (``hold``): it is
-        # only ever copied.
+        # Another agent's recipe on the same env, or the caller of ``hold``, may give the
+        # pristine env: it is only ever copied. A ``lent`` one is its owner's to close.
         self.pristine: Any = pristine if pristine is not None else self._build()
+        self.lent = lent
         self.other_reward_names = tuple(self.pristine.other_rewards)
 
     def _build(self) -> Any:
@@ -88,8 +89,9 @@ class _Cached:
         """Close the pristine env, unless another recipe's entry shares it (``hold``)."""
         pristine, self.pristine = self.pristine, None
         entries = [*_ENVS.values(), *(cached for cached, _ in _HELD.values())]
-        if pristine is not None and not any(c.pristine is pristine for c in entries):
-            pristine.close()
+        if pristine is None or self.lent or any(c.pristine is pristine for c in entries):
+            return
+        pristine.close()
 
     def new_agent(self, env: Any) -> Any:
         kind, agent = self.recipe.agent_kind, self.recipe.agent
@@ -110,7 +112,7 @@ _ENVS_LOCK = threading.Lock()
 _HELD: dict[str, tuple[_Cached, int]] = {}
 
 
-def hold(recipe_key: str, recipe_bytes: bytes) -> bool:
+def hold(recipe_key: str, recipe_bytes: bytes, pristine: Any = None) -> bool:
     """Build a recipe's pristine env in this process, for the workers forked from it later.
 
     A forked worker then finds it in its cache: the fork copies it (pages shared until written),
@@ -118,7 +120,9 @@ def hold(recipe_key: str, recipe_bytes: bytes) -> bool:
     The env is the one the worker would build, from the same recipe and code, and episodes play
     copies of it there as of any pristine env. A build that fails here is left to the workers,
     which report it as they do (returns False: nothing to ``release``). Each ``hold`` that
-    returns True is undone by one ``release``. Recipes of other agents on the same env
+    returns True is undone by one ``release``. ``pristine``: an env the caller built from this
+    recipe's params and never played (compat's, built by grid2op's Runner constructor), held
+    instead of a new build; the caller closes it. Recipes of other agents on the same env
     (``Recipe.env_key``) share one pristine env: a worker plays one call at a time, so two
     episodes never copy it at once.
     """
@@ -129,6 +133,9 @@ def hold(recipe_key: str, recipe_bytes: bytes) -> bool:
             return True
         try:
             recipe = pickle.loads(recipe_bytes)
+            if pristine is not None:
+                _HELD[recipe_key] = (_Cached(recipe, pristine, lent=True), 1)
+                return True
             # Another agent on the same env (scores play several): one pristine env for both.
             twin = next(
                 (
@@ -159,6 +166,16 @@ def release(recipe_key: str) -> None:
         cached.close()
 
 
+def disown(env: Any) -> bool:
+    """The lender of ``env`` (``hold(..., pristine=env)``) is done with it: whether a hold still
+    keeps it, which then closes it with its last ``release`` (else the lender closes it)."""
+    with _ENVS_LOCK:
+        held = [cached for cached, _ in _HELD.values() if cached.pristine is env]
+        for cached in held:
+            cached.lent = False
+        return bool(held)
+
+
 def _after_fork() -> None:
     # A forked worker counts its own builds (EpisodeStarted.env_builds), not its parent's, and
     # takes a new lock: a thread of the parent may have held this one at the fork. The envs its
@@ -166,7 +183,9 @@ def _after_fork() -> None:
     global _BUILDS, _ENVS_LOCK
     _BUILDS = 0
     _ENVS_LOCK = threading.Lock()
-    _ENVS.update((key, cached) for key, (cached, _) in _HELD.items())
+    for key, (cached, _) in _HELD.items():
+        cached.lent = False  # this process's copy: its own to close
+        _ENVS[key] = cached
     _HELD.clear()
 
 

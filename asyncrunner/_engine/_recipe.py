@@ -18,7 +18,7 @@ import cloudpickle
 from .._plan._mixes import runner_params
 from ._central import CentralAgent, is_async_agent
 
-__all__ = ["EpisodeJob", "Recipe", "agent_name", "agent_recipe", "dumps", "recipes"]
+__all__ = ["EpisodeJob", "Recipe", "agent_name", "agent_recipe", "dumps", "env_key", "recipes"]
 
 
 @dataclass(frozen=True)
@@ -178,25 +178,35 @@ def agent_name(agent: Any) -> str:
     return f"{getattr(agent, '__module__', '?')}.{getattr(agent, '__qualname__', '?')}"
 
 
+def _env_part(source: Any) -> tuple[dict[str, Any], tuple[type, ...], str]:
+    """What a worker builds ``source``'s env from: ``(params, classes, env_key)``."""
+    params = runner_params(source)
+    # A mix's env uses the classes grid2op made from the first mix: send them along.
+    mixed = params.get("_overload_name_multimix") is not None
+    classes = (type(source.backend),) if mixed else ()
+    try:
+        blob = dumps((params, classes))
+    except Exception as exc:
+        raise TypeError(
+            "the env cannot be sent to worker processes: its get_params_for_runner() "
+            f"cannot be pickled ({type(exc).__name__}: {exc})"
+        ) from exc
+    return params, classes, hashlib.blake2b(blob, digest_size=16).hexdigest()
+
+
+def env_key(source: Any) -> str:
+    """The ``Recipe.env_key`` of ``source``: equal keys, the same env built in the workers."""
+    return _env_part(source)[2]
+
+
 def recipes(
     sources: Mapping[str | None, Any], agent: Any, kind: str, payload: Any
 ) -> dict[str | None, tuple[str, bytes]]:
     """Each mix's recipe, pickled: ``(key, bytes)``; what cannot be sent to workers raises here."""
     made: dict[str | None, tuple[str, bytes]] = {}
     for mix, source in sources.items():
-        params = runner_params(source)
-        # A mix's env uses the classes grid2op made from the first mix: send them along.
-        mixed = params.get("_overload_name_multimix") is not None
-        classes = (type(source.backend),) if mixed else ()
-        try:
-            env_blob = dumps((params, classes))
-        except Exception as exc:
-            raise TypeError(
-                "the env cannot be sent to worker processes: its get_params_for_runner() "
-                f"cannot be pickled ({type(exc).__name__}: {exc})"
-            ) from exc
-        env_key = hashlib.blake2b(env_blob, digest_size=16).hexdigest()
-        recipe = Recipe(params, kind, payload, classes, env_key)
+        params, classes, key = _env_part(source)
+        recipe = Recipe(params, kind, payload, classes, key)
         try:
             blob = dumps(recipe)
         except Exception as exc:

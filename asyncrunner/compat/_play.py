@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 from grid2op.Exceptions import EnvError
 
+from .._engine._recipe import env_key
 from .._model import EpisodeResult
 from .._runner import AsyncRunner
 from ..sinks._base import Sink
@@ -81,19 +82,28 @@ def play(
     ]
 
 
+def env_view(runner: Any, env: Any) -> EnvView:
+    """``env`` with the runner's parameters: what the workers build their env from."""
+    params = runner._get_params()
+    for key in ("agentClass", "agentInstance", "logger", "mp_context", "_local_dir_cls"):
+        params.pop(key, None)  # the worker's Runner gets its defaults
+    return EnvView(env, params)
+
+
 def call(
     runner: Any, nb_process: int, nb_episode: int, kwargs: dict[str, Any]
 ) -> list[EpisodeResult]:
     """Run ``kwargs`` (``AsyncRunner.run``'s) on the runner's pool: kept across calls in a
     ``with`` block, else started and stopped here."""
-    params = runner._get_params()
-    for key in ("agentClass", "agentInstance", "logger", "mp_context", "_local_dir_cls"):
-        params.pop(key, None)  # the worker's Runner gets its defaults
-    view = EnvView(runner._ar_template(), params)
+    view = env_view(runner, runner._ar_template())
     agent = AgentClass(runner.agentClass) if runner._useclass else runner.agent
     keep = runner._ar_keep
     workers = nb_process if keep else min(nb_process, nb_episode)
     core = AsyncRunner(view, agent=agent, workers=workers)
+    if runner._ar_env_key == env_key(view):
+        # The env grid2op's constructor built from these very parameters, never played: the
+        # pristine env forked workers start with, rather than a second build here.
+        core._lent_env = runner._ar_env
     session = runner._ar_session if keep else None
     if session is None:
         session = Session()

@@ -59,9 +59,10 @@ from typing import Any
 from grid2op.Action import BaseAction
 from grid2op.Runner import Runner as _GridRunner
 
-from .._engine._recipe import dumps
+from .._engine._envs import disown
+from .._engine._recipe import dumps, env_key
 from .._model import EpisodeResult
-from ._play import call, play
+from ._play import call, env_view, play
 from ._rules import (
     KEY_TIME_SERIE_ID,
     check_init_states,
@@ -91,6 +92,9 @@ class Runner(_GridRunner):  # type: ignore[misc]  # grid2op is untyped (Any base
 
     _ar_session: Session | None = None
     _ar_env: Any = None
+    # The ``env_key`` of the workers' env when ``_ar_env`` was built: while the runner's
+    # parameters give the same, ``_ar_env`` is the runs' pristine env (``_play.call``).
+    _ar_env_key: str | None = None
     _ar_keep = False
     # Set while grid2op's constructor runs: the env its init_env builds is kept (``_ar_env``).
     _ar_capture = False
@@ -107,6 +111,7 @@ class Runner(_GridRunner):  # type: ignore[misc]  # grid2op is untyped (Any base
             super().__init__(*args, **kwargs)
         finally:
             self._ar_capture = False
+        self._ar_note_env()
 
     def init_env(self) -> Any:
         env = super().init_env()
@@ -129,11 +134,14 @@ class Runner(_GridRunner):  # type: ignore[misc]  # grid2op is untyped (Any base
         self._ar_keep = False
         session, self._ar_session = self._ar_session, None
         env, self._ar_env = self._ar_env, None
+        self._ar_env_key = None
         try:
             if session is not None:
                 session.close()
         finally:
-            if env is not None:
+            # Lent to the workers' hold (``_play.call``) that another runner still keeps: that
+            # hold closes it.
+            if env is not None and not disown(env):
                 env.close()
 
     def __getstate__(self) -> dict[str, Any]:
@@ -417,4 +425,12 @@ class Runner(_GridRunner):  # type: ignore[misc]  # grid2op is untyped (Any base
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 self._ar_env, _ = self._new_env(self.parameters)
+            self._ar_note_env()
         return self._ar_env
+
+    def _ar_note_env(self) -> None:
+        if self._ar_env is not None:
+            try:
+                self._ar_env_key = env_key(env_view(self, self._ar_env))
+            except TypeError:  # parameters that cannot be pickled: the runs say so
+                self._ar_env_key = None
