@@ -15,6 +15,7 @@ import threading
 import warnings
 from typing import Any
 
+from ._parsed import parsing_once
 from ._recipe import Recipe
 
 __all__ = ["builds", "discard", "disown", "get_env", "hold", "release", "warm"]
@@ -55,7 +56,9 @@ class _Cached:
                 self.built = env
                 return contextlib.nullcontext(env)
 
-        with warnings.catch_warnings():
+        # parsing_once: another env of the same grid (a score's other parametrisation) does
+        # not parse the grid's file again.
+        with warnings.catch_warnings(), parsing_once():
             warnings.simplefilter("ignore")
             runner = OnceRunner(**self.recipe.params, agentClass=DoNothingAgent)
             built = getattr(runner, "built", None)

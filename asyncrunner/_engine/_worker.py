@@ -22,8 +22,8 @@ import numpy as np
 from .._model import EpisodeFailed, EpisodeFinished, EpisodeStarted
 from . import _channel
 from ._batch import Batcher, fill
-from ._chronics import reading_chronics
 from ._envs import _Cached, builds, discard, get_env
+from ._parsed import parsing_once
 from ._recipe import EpisodeJob
 
 __all__ = ["run_episode", "run_episodes"]
@@ -155,7 +155,7 @@ def _play_on(job: EpisodeJob, env: Any, cached: _Cached, send: Any) -> int:
     names = cached.other_reward_names
     kind = cached.recipe.agent_kind
     agent = _RemoteAgent(job, env) if kind == "central" else cached.new_agent(env)
-    with reading_chronics():  # a chronic played before is not parsed again
+    with parsing_once():  # a chronic played before is not parsed again
         obs = env.reset(seed=job.env_seed, options=_reset_options(job))
     if job.agent_seed is not None:
         agent.seed(job.agent_seed)

@@ -1,5 +1,5 @@
-"""A worker's cache of chronics files (``_engine._chronics``): a chronic played again is not parsed
-again, and gives the same frames, so the same episode."""
+"""A process's cache of parsed env files (``_engine._parsed``): a chronic played again, or a grid
+built again, is not parsed again, and gives the same objects, so the same episode."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import numpy as np
 import pandas
 import pytest
 
-from asyncrunner._engine import _chronics
+from asyncrunner._engine import _parsed
 from tests.conftest import make_env
 
 
@@ -26,13 +26,13 @@ def reads(monkeypatch: pytest.MonkeyPatch) -> list[str]:
         return original(path, *args, **kwargs)
 
     monkeypatch.setattr(pandas, "read_csv", read_csv)
-    monkeypatch.setattr(_chronics, "_frames", type(_chronics._frames)())
-    monkeypatch.setattr(_chronics, "_size", 0)
+    monkeypatch.setattr(_parsed, "_parsed", type(_parsed._parsed)())
+    monkeypatch.setattr(_parsed, "_size", 0)
     return parsed
 
 
 def _reset(env: Any, chronic: int, seed: int) -> Any:
-    with _chronics.reading_chronics():
+    with _parsed.parsing_once():
         return env.reset(seed=seed, options={"time serie id": chronic})
 
 
@@ -56,7 +56,7 @@ def test_a_chronic_reset_again_is_served_from_memory_with_the_same_episode(
             np.testing.assert_array_equal(a, b)
     finally:
         env.close()
-    assert pandas.read_csv is not _chronics._read_csv  # restored after each reset
+    assert pandas.read_csv is not _parsed._read_csv  # restored after each reset
 
 
 def test_served_frames_are_copies_and_a_changed_file_is_read_again(
@@ -64,7 +64,7 @@ def test_served_frames_are_copies_and_a_changed_file_is_read_again(
 ) -> None:
     data = tmp_path / "load_p.csv"
     data.write_text("a;b\n1.5;2\n3.25;4\n")
-    with _chronics.reading_chronics():
+    with _parsed.parsing_once():
         first = pandas.read_csv(data, sep=";")
         first.iloc[0, 0] = 99.0  # the caller's frame is its own
         second = pandas.read_csv(data, sep=";")
@@ -81,4 +81,42 @@ def test_served_frames_are_copies_and_a_changed_file_is_read_again(
         with open(tmp_path / "copy.csv") as f:  # a buffer: always read
             pandas.read_csv(f, sep=";")
         assert len(reads) == 4
-    assert pandas.read_csv is not _chronics._read_csv
+    assert pandas.read_csv is not _parsed._read_csv
+
+
+def test_a_grid_built_again_is_not_parsed_again_and_plays_the_same(
+    reads: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import pandapower  # type: ignore[import-untyped]
+    from grid2op.Agent import DoNothingAgent
+
+    from asyncrunner._engine._envs import _Cached
+    from asyncrunner._engine._recipe import Recipe
+
+    grids: list[str] = []
+    original = pandapower.from_json
+
+    def from_json(path: Any, *args: Any, **kwargs: Any) -> Any:
+        grids.append(str(path))
+        return original(path, *args, **kwargs)
+
+    monkeypatch.setattr(pandapower, "from_json", from_json)
+    reference = make_env("l2rpn_case14_sandbox")  # built outside the cache
+    recipe = Recipe(reference.get_params_for_runner(), "class", DoNothingAgent)
+    grids.clear()
+    built = [_Cached(recipe), _Cached(recipe)]
+    try:
+        assert len(grids) == 1  # the second build's grid came from memory
+        runs = []
+        for env in [reference.copy(), *(c.episode_env() for c in built)]:
+            env.reset(seed=4, options={"time serie id": 1})
+            runs.append([env.step(env.action_space())[0].to_vect() for _ in range(5)])
+            env.close()
+        for run in runs[1:]:
+            for a, b in zip(run, runs[0], strict=True):
+                np.testing.assert_array_equal(a, b)
+    finally:
+        for cached in built:
+            cached.close()
+        reference.close()
+    assert pandapower.from_json is from_json  # restored after each build

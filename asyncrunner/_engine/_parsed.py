@@ -1,0 +1,121 @@
+"""A process's cache of the env files it has parsed: grid2op parses them again for every env
+it builds and at every reset.
+
+- Chronics: grid2op's chronics classes read a chronic's CSV files (``pandas.read_csv``, most of
+  them bz2-compressed) at every reset: 92 % of a reset's time on ``rte_case14_opponent``, about
+  130 ms, against 3 ms for the few steps an episode of a random agent lasts there. Episodes of a
+  run, of the runs after it, and of a score's references and agents play the same chronics again.
+- Grids: a backend reads the grid's JSON (``pandapower.from_json``) at every env build: 0.64 s
+  on ``l2rpn_idf_2023``. A score builds one env per parametrisation of the same grid.
+
+Within ``parsing_once()`` these functions, called with a file path and plain arguments (numbers,
+strings, types), return a deep copy of what they returned for the same file (same size and
+modification time) and the same arguments: the same parse of the same bytes, in an object nothing
+else holds. Any other call (a buffer, an iterator, a chunk size, other arguments) runs as usual.
+At most ``MAX_BYTES`` of parsed files are kept, least recently used first out.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import os
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+from typing import Any
+
+__all__ = ["MAX_BYTES", "parsing_once"]
+
+MAX_BYTES = 128 * 1024 * 1024
+
+_PLAIN = (str, int, float, bool, type(None), type)
+_parsed: OrderedDict[tuple[Any, ...], tuple[Any, int]] = OrderedDict()
+_size = 0
+_lock = threading.Lock()
+_users = 0  # callers inside parsing_once now (a worker may play several episodes at once)
+_originals: dict[str, Callable[..., Any]] = {}
+
+
+def _key(name: str, path: Any, kwargs: dict[str, Any]) -> tuple[Any, ...] | None:
+    if not isinstance(path, (str, os.PathLike)) or not all(
+        isinstance(v, _PLAIN) for v in kwargs.values()
+    ):
+        return None
+    if kwargs.get("chunksize") is not None or kwargs.get("iterator"):
+        return None
+    try:
+        stat = os.stat(path)
+    except OSError:
+        return None  # the parser raises its own error
+    where = os.path.realpath(path)
+    return (name, where, stat.st_size, stat.st_mtime_ns, tuple(sorted(kwargs.items())))
+
+
+def _bytes(obj: Any) -> int:
+    """Roughly what ``obj`` (a DataFrame, or a pandapower net: a dict of them) takes."""
+    frames = obj.values() if isinstance(obj, dict) else [obj]
+    usage = [f.memory_usage(index=True, deep=True).sum() for f in frames if hasattr(f, "columns")]
+    return int(sum(usage))
+
+
+def _memoised(name: str) -> Callable[..., Any]:
+    def parse(path: Any, *args: Any, **kwargs: Any) -> Any:
+        global _size
+        original = _originals[name]
+        key = None if args else _key(name, path, kwargs)
+        if key is None:
+            return original(path, *args, **kwargs)
+        with _lock:
+            found = _parsed.get(key)
+            if found is not None:
+                _parsed.move_to_end(key)
+        if found is not None:
+            return copy.deepcopy(found[0])
+        parsed = original(path, **kwargs)
+        size = _bytes(parsed)
+        if size <= MAX_BYTES:
+            kept = copy.deepcopy(parsed)  # before the caller changes its own
+            with _lock:
+                if key not in _parsed:
+                    _parsed[key] = (kept, size)
+                    _size += size
+                    while _size > MAX_BYTES:
+                        _, (_, dropped) = _parsed.popitem(last=False)
+                        _size -= dropped
+        return parsed
+
+    return parse
+
+
+_read_csv = _memoised("pandas.read_csv")
+_from_json = _memoised("pandapower.from_json")
+
+
+@contextlib.contextmanager
+def parsing_once() -> Iterator[None]:
+    """Within the block, the chronics and grid files parsed before come from memory."""
+    global _users
+    import pandas
+
+    try:
+        import pandapower  # type: ignore[import-untyped]
+    except ImportError:  # a backend of its own, without pandapower
+        pandapower = None
+    patched = [(pandas, "read_csv", _read_csv)]
+    if pandapower is not None:
+        patched.append((pandapower, "from_json", _from_json))
+    with _lock:
+        if _users == 0:
+            for module, name, memoised in patched:
+                _originals[f"{module.__name__}.{name}"] = getattr(module, name)
+                setattr(module, name, memoised)
+        _users += 1
+    try:
+        yield
+    finally:
+        with _lock:
+            _users -= 1
+            if _users == 0:
+                for module, name, _ in patched:
+                    setattr(module, name, _originals[f"{module.__name__}.{name}"])
