@@ -15,20 +15,25 @@ from asyncrunner._engine import _parsed
 from tests.conftest import make_env
 
 
-@pytest.fixture
-def reads(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """The files pandas really parses (the cache's misses)."""
+def _spy(monkeypatch: pytest.MonkeyPatch, module: Any, name: str) -> list[str]:
+    """The files ``module.name`` really parses (the cache's misses), in order."""
     parsed: list[str] = []
-    original = pandas.read_csv
+    original = getattr(module, name)
 
-    def read_csv(path: Any, *args: Any, **kwargs: Any) -> Any:
+    def parse(path: Any, *args: Any, **kwargs: Any) -> Any:
         parsed.append(str(path))
         return original(path, *args, **kwargs)
 
-    monkeypatch.setattr(pandas, "read_csv", read_csv)
+    monkeypatch.setattr(module, name, parse)
+    return parsed
+
+
+@pytest.fixture
+def reads(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The files pandas really parses, with an empty cache."""
     monkeypatch.setattr(_parsed, "_parsed", type(_parsed._parsed)())
     monkeypatch.setattr(_parsed, "_size", 0)
-    return parsed
+    return _spy(monkeypatch, pandas, "read_csv")
 
 
 def _reset(env: Any, chronic: int, seed: int) -> Any:
@@ -93,14 +98,8 @@ def test_a_grid_built_again_is_not_parsed_again_and_plays_the_same(
     from asyncrunner._engine._envs import _Cached
     from asyncrunner._engine._recipe import Recipe
 
-    grids: list[str] = []
-    original = pandapower.from_json
-
-    def from_json(path: Any, *args: Any, **kwargs: Any) -> Any:
-        grids.append(str(path))
-        return original(path, *args, **kwargs)
-
-    monkeypatch.setattr(pandapower, "from_json", from_json)
+    grids = _spy(monkeypatch, pandapower, "from_json")
+    spy = pandapower.from_json
     reference = make_env("l2rpn_case14_sandbox")  # built outside the cache
     recipe = Recipe(reference.get_params_for_runner(), "class", DoNothingAgent)
     grids.clear()
@@ -119,4 +118,4 @@ def test_a_grid_built_again_is_not_parsed_again_and_plays_the_same(
         for cached in built:
             cached.close()
         reference.close()
-    assert pandapower.from_json is from_json  # restored after each build
+    assert pandapower.from_json is spy  # restored after each build
