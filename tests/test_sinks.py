@@ -362,7 +362,7 @@ async def test_logging_sink_logs_failures_with_traceback(
     errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
     assert len(errors) == 1
     assert errors[0].startswith(
-        "episode 0 (attempt 1) failed at step 1: RuntimeError: agent exploded"
+        "episode 0 (attempt 1) failed after 1 step: RuntimeError: agent exploded"
     )
     assert "Traceback (most recent call last)" in errors[0]
     assert errors[0].rstrip().endswith("RuntimeError: agent exploded")

@@ -40,10 +40,11 @@ class LoggingSink(Sink):
             if log.isEnabledFor(failed_level):
                 log.log(
                     failed_level,
-                    "episode %d (attempt %d) failed at step %d: %s: %s%s%s",
+                    "episode %d (attempt %d) failed after %d %s: %s: %s%s%s",
                     event.index,
                     event.attempt,
-                    event.step,
+                    event.step,  # the steps played
+                    "step" if event.step == 1 else "steps",
                     event.error_type,
                     event.message,
                     "; retrying" if event.retrying else "",
