@@ -18,7 +18,7 @@ from typing import Any
 from ._parsed import parsing_once
 from ._recipe import Recipe
 
-__all__ = ["builds", "discard", "disown", "get_env", "hold", "release", "warm"]
+__all__ = ["builds", "discard", "disown", "exclusive", "get_env", "hold", "release", "warm"]
 
 # How many envs one worker keeps (a worker may serve several runners in turn).
 _MAX_ENVS = 2
@@ -107,7 +107,7 @@ _ENVS: dict[str, _Cached] = {}
 _BUILDS = 0
 # Envs that an episode is playing now (a worker may play several episodes at once, in threads).
 _IN_USE: set[str] = set()
-_ENVS_LOCK = threading.Lock()
+_ENVS_LOCK = threading.RLock()
 
 
 # Pristine envs this process holds for the workers it forks (``hold``), by recipe key, and how
@@ -169,6 +169,19 @@ def release(recipe_key: str) -> None:
         cached.close()
 
 
+def exclusive() -> Any:
+    """The (reentrant) lock a worker's env builds run under; episodes copy, reset, step and
+    close their env under it too.
+
+    grid2op's code changes the process's warning filters (``warnings.catch_warnings`` is not
+    thread-safe, and a reset turns warnings into errors for a moment): with several episodes at
+    once in threads (``CentralAgent(envs_per_worker=...)``), a filter could leak from one to
+    another and make pandapower's deprecation warnings fail a build. The threads wait for
+    their actions outside it.
+    """
+    return _ENVS_LOCK
+
+
 def disown(env: Any) -> bool:
     """The lender of ``env`` (``hold(..., pristine=env)``) is done with it: whether a hold still
     keeps it, which then closes it with its last ``release`` (else the lender closes it)."""
@@ -185,7 +198,7 @@ def _after_fork() -> None:
     # parent held for it are its cache's (the parent keeps, and later frees, its own copy).
     global _BUILDS, _ENVS_LOCK
     _BUILDS = 0
-    _ENVS_LOCK = threading.Lock()
+    _ENVS_LOCK = threading.RLock()
     for key, (cached, _) in _HELD.items():
         cached.lent = False  # this process's copy: its own to close
         _ENVS[key] = cached

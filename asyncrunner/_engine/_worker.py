@@ -22,7 +22,7 @@ import numpy as np
 from .._model import EpisodeFailed, EpisodeFinished, EpisodeStarted
 from . import _channel
 from ._batch import Batcher, fill
-from ._envs import _Cached, builds, discard, get_env
+from ._envs import _Cached, builds, discard, exclusive, get_env
 from ._parsed import parsing_once
 from ._recipe import EpisodeJob
 
@@ -142,11 +142,13 @@ def run_episode(job: EpisodeJob, slot: int = 0, slots: int = 1) -> str:
 
 
 def _play(job: EpisodeJob, cached: _Cached, send: Any) -> int:
-    env = cached.episode_env()
+    with exclusive():
+        env = cached.episode_env()
     try:
         return _play_on(job, env, cached, send)
     finally:
-        env.close()
+        with exclusive():
+            env.close()
 
 
 def _play_on(job: EpisodeJob, env: Any, cached: _Cached, send: Any) -> int:
@@ -155,7 +157,8 @@ def _play_on(job: EpisodeJob, env: Any, cached: _Cached, send: Any) -> int:
     names = cached.other_reward_names
     kind = cached.recipe.agent_kind
     agent = _RemoteAgent(job, env) if kind == "central" else cached.new_agent(env)
-    with parsing_once():  # a chronic played before is not parsed again
+    # parsing_once: a chronic played before is not parsed again.
+    with exclusive(), parsing_once():
         obs = env.reset(seed=job.env_seed, options=_reset_options(job))
     if job.agent_seed is not None:
         agent.seed(job.agent_seed)
@@ -178,12 +181,15 @@ def _play_on(job: EpisodeJob, env: Any, cached: _Cached, send: Any) -> int:
             end__ = time.perf_counter()
             time_act += end__ - beg__
             if can_skip:
-                for (obs, reward, done, info), attack in zip(*env.steps(act), strict=True):
+                with exclusive():
+                    played = list(zip(*env.steps(act), strict=True))
+                for (obs, reward, done, info), attack in played:
                     time_step += 1
                     cum_reward += reward
                     batch.add(env, act, obs, reward, done, info, attack, end__ - beg__, names)
             else:
-                obs, reward, done, info = env.step(act)
+                with exclusive():
+                    obs, reward, done, info = env.step(act)
                 time_step += 1
                 cum_reward += reward
                 batch.add(
