@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import functools
 import struct
-import time
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -54,9 +53,9 @@ def npz_bytes(**arrays: np.ndarray | Padded) -> bytes:
 
     Built in memory so that the writers can checksum and ``fsync`` exactly what they write.
     """
-    now = time.localtime()
-    dos_time = now.tm_hour << 11 | now.tm_min << 5 | now.tm_sec // 2
-    dos_date = (now.tm_year - 1980) << 9 | now.tm_mon << 5 | now.tm_mday
+    # Every member dated 1980-01-01 00:00 (zip's first date), where np.savez puts the time of
+    # writing: the same episode gives the same bytes (and checksums) whenever it is written.
+    dos_time, dos_date = 0, 1 << 5 | 1
     out = bytearray()
     central = bytearray()
     for key, value in arrays.items():
