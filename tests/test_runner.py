@@ -141,6 +141,11 @@ def test_a_lent_pristine_env_is_closed_by_its_last_holder(env: Any) -> None:
     assert lent._BaseEnv__closed and key not in _envs._HELD
     other = env.copy()
     assert _envs.hold(key, blob, other)
+    # Another agent on the same env does not share a lent env: its lender may close it first.
+    twin_runner = AsyncRunner(env, agent=RandomAgent, workers=1)
+    assert _envs.hold(twin_runner._recipe_key, twin_runner._recipe_bytes)
+    assert _envs._HELD[twin_runner._recipe_key][0].pristine is not other
+    _envs.release(twin_runner._recipe_key)
     _envs.release(key)
     assert not other._BaseEnv__closed and not _envs.disown(other)  # the lender closes it
     other.close()

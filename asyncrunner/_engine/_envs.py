@@ -145,6 +145,7 @@ def hold(recipe_key: str, recipe_bytes: bytes, pristine: Any = None) -> bool:
                     c.pristine
                     for c, _ in _HELD.values()
                     if c.recipe.env_key == recipe.env_key
+                    and not c.lent  # its lender may close it before this hold ends
                     and getattr(c.pristine.backend, "_can_be_copied", True)
                 ),
                 None,
