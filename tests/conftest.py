@@ -9,6 +9,8 @@ from typing import Any
 
 import pytest
 
+from .helpers import grid2ops
+
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")
     import grid2op
@@ -144,10 +146,8 @@ def grid2op_reference(request: pytest.FixtureRequest) -> Callable[..., list[tupl
         if stored is not None and stored["key"] == key:
             results = [tuple(r) for r in stored["results"]]
         else:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                runner = Runner(**env.get_params_for_runner(), agentClass=agent)
-                raw = runner.run(nb_process=1, **kwargs)
+            runner = grid2ops(Runner, **env.get_params_for_runner(), agentClass=agent)
+            raw = grid2ops(runner.run, nb_process=1, **kwargs)
             results = [(str(r[0]), str(r[1]), float(r[2]), int(r[3]), int(r[4])) for r in raw]
             if cache is not None:
                 cache.set(name, {"key": key, "results": results})

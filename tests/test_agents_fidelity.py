@@ -31,6 +31,7 @@ from asyncrunner import AsyncRunner
 from asyncrunner.compat import _runner as compat
 
 from .conftest import make_env
+from .helpers import grid2ops
 
 
 def seeds(nb_episode: int) -> dict[str, Any]:
@@ -45,10 +46,8 @@ def played(results: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
 
 def grid2op_run(params: dict[str, Any], nb_episode: int = 3, **kwargs: Any) -> list[Any]:
     """grid2op's own Runner, one process (its results then come in request order)."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        runner = GridRunner(**params)
-        return played(runner.run(nb_episode, nb_process=1, **seeds(nb_episode), **kwargs))
+    runner = grid2ops(GridRunner, **params)
+    return played(grid2ops(runner.run, nb_episode, nb_process=1, **seeds(nb_episode), **kwargs))
 
 
 def compat_run(params: dict[str, Any], nb_episode: int = 3) -> list[Any]:

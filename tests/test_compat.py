@@ -24,7 +24,7 @@ from grid2op.Runner import Runner as GridRunner
 from asyncrunner import compat
 
 from .conftest import LightSimBackend, make_env
-from .helpers import SampleAgent, quiet
+from .helpers import SampleAgent, grid2ops, quiet
 
 GRID2OP_DATA = Path(grid2op.__file__).parent / "data"
 
@@ -126,7 +126,7 @@ def test_run_matches_grid2op_with_detailed_output(
         add_detailed_output=True,
         add_nb_highres_sim=True,
     )
-    expected = quiet(grid_runner(env, agentClass=agent).run, nb_process=1, **kwargs)
+    expected = grid2ops(grid_runner(env, agentClass=agent).run, nb_process=1, **kwargs)
     runner = compat_runner(env, agentClass=agent)
     results = quiet(runner.run, nb_process=2, **kwargs)
     runner.close()
@@ -149,7 +149,7 @@ def test_compact_episode_data_matches_grid2op(env: Any, tmp_path: Path) -> None:
     )
     theirs_path, ours_path = tmp_path / "grid2op", tmp_path / "compat"
     theirs_path.mkdir()  # grid2op's CompactEpisodeData needs it
-    expected = quiet(
+    expected = grid2ops(
         grid_runner(env, agentClass=SampleAgent, use_compact_episode_data=True).run,
         path_save=theirs_path,
         **kwargs,
@@ -188,7 +188,7 @@ def test_a_with_block_keeps_one_pool_and_saving_replaces_like_grid2op(
         assert len(pids) == 2  # the pool's two workers (both warmed up) served both runs
     assert runner._ar_session is None
     assert [r[3] for r in first] == [4, 4] and [r[3] for r in second] == [6, 6]
-    expected = quiet(grid_runner(env, agentClass=DoNothingAgent).run, max_iter=6, **kwargs)
+    expected = grid2ops(grid_runner(env, agentClass=DoNothingAgent).run, max_iter=6, **kwargs)
     assert head(second) == head(expected)
     # As grid2op does, the second run replaced the first one's folders.
     listed = sorted(name for _, name in EpisodeData.list_episode(str(path)))
@@ -231,7 +231,7 @@ def test_bad_arguments_raise_grid2op_errors(
 ) -> None:
     theirs, ours = runners
     with pytest.raises(Exception) as expected:
-        quiet(theirs.run, **kwargs)
+        grid2ops(theirs.run, **kwargs)
     with pytest.raises(expected.type) as raised:
         quiet(ours.run, **kwargs)
     assert str(raised.value) == str(expected.value)
@@ -240,7 +240,7 @@ def test_bad_arguments_raise_grid2op_errors(
 
 def test_run_one_episode_matches_grid2op(env: Any) -> None:
     kwargs: dict[str, Any] = dict(max_iter=5, env_seed=3, agent_seed=4, add_nb_highres_sim=True)
-    expected = quiet(
+    expected = grid2ops(
         grid_runner(env, agentClass=SampleAgent).run_one_episode,
         reset_options={"time serie id": 1},
         detailed_output=True,
@@ -286,7 +286,7 @@ def test_reset_options_and_init_states_match_grid2op(env: Any) -> None:
         kwargs: dict[str, Any] = dict(
             nb_episode=3, env_seeds=[1, 2, 3], agent_seeds=[4, 5, 6], add_detailed_output=True
         )
-        expected = quiet(theirs.run, reset_options=copy.deepcopy(options), **kwargs, **case)
+        expected = grid2ops(theirs.run, reset_options=copy.deepcopy(options), **kwargs, **case)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             results = ours.run(nb_process=2, reset_options=copy.deepcopy(options), **kwargs, **case)
@@ -307,7 +307,7 @@ def test_reset_options_and_init_states_match_grid2op(env: Any) -> None:
 @pytest.mark.anyio
 async def test_run_called_where_an_event_loop_is_running(env: Any) -> None:
     kwargs: dict[str, Any] = dict(nb_episode=2, max_iter=5, env_seeds=[1, 2], agent_seeds=[3, 4])
-    expected = quiet(grid_runner(env, agentClass=SampleAgent).run, **kwargs)
+    expected = grid2ops(grid_runner(env, agentClass=SampleAgent).run, **kwargs)
     asyncio.get_running_loop()  # raises if no loop runs here
     runner = compat_runner(env, agentClass=SampleAgent)
     results = runner.run(nb_process=2, **kwargs)  # sync code, called from a coroutine
@@ -320,7 +320,7 @@ def test_an_agent_that_cannot_be_pickled_plays_in_process(env: Any) -> None:
     agent = SampleAgent(env.action_space)
     agent.lock = multiprocessing.Lock().__enter__  # a bound method of a lock: not picklable
     kwargs: dict[str, Any] = dict(nb_episode=2, max_iter=4, env_seeds=[1, 2], agent_seeds=[3, 4])
-    expected = quiet(grid_runner(env, agentClass=None, agentInstance=agent).run, **kwargs)
+    expected = grid2ops(grid_runner(env, agentClass=None, agentInstance=agent).run, **kwargs)
     runner = compat_runner(env, agentClass=None, agentInstance=agent)
     with pytest.warns(UserWarning, match="cannot be pickled"):
         results = runner.run(nb_process=2, **kwargs)
@@ -341,7 +341,7 @@ def test_a_subclass_building_the_env_itself_plays_in_process(env: Any) -> None:
     runner = quiet(_HookedRunner, **env.get_params_for_runner(), agentClass=DoNothingAgent)
     with pytest.warns(UserWarning, match="overrides Runner.init_env"):
         (low,) = runner.run(nb_episode=1, max_iter=20, env_seeds=[1])
-    (normal,) = quiet(grid_runner(env).run, nb_episode=1, max_iter=20, env_seeds=[1])
+    (normal,) = grid2ops(grid_runner(env).run, nb_episode=1, max_iter=20, env_seeds=[1])
     assert low[3] < normal[3]  # the hook did act: lower limits, earlier game over
 
 
@@ -379,7 +379,7 @@ def test_env_kinds_grid2op_builds_specially(kind: str, tmp_path: Path) -> None:
     kwargs: dict[str, Any] = dict(
         nb_episode=2, max_iter=5, env_seeds=[1, 2], agent_seeds=[3, 4], episode_id=[1, 0]
     )
-    expected = quiet(grid_runner(env, agentClass=agent).run, **kwargs)
+    expected = grid2ops(grid_runner(env, agentClass=agent).run, **kwargs)
     runner = compat_runner(env, agentClass=agent)
     results = quiet(runner.run, add_detailed_output=True, **kwargs)
     runner.close()
@@ -421,4 +421,6 @@ def test_envs_built_in_this_process_by_a_run(
     runner.close()
     assert kept._BaseEnv__closed
     assert head(results) == head(results_again)
-    assert head(results) == head(quiet(grid_runner(env, agentClass=DoNothingAgent).run, **kwargs))
+    assert head(results) == head(
+        grid2ops(grid_runner(env, agentClass=DoNothingAgent).run, **kwargs)
+    )

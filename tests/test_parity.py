@@ -34,7 +34,7 @@ from asyncrunner._engine._recipe import Recipe
 from asyncrunner.sinks import CallbackSink
 
 from .conftest import LightSimBackend, make_env
-from .helpers import SampleAgent
+from .helpers import SampleAgent, grid2ops
 
 pytestmark = pytest.mark.anyio
 
@@ -48,11 +48,9 @@ def _key(result: Any) -> tuple[Any, ...]:
 
 def _reference(env: Any, agent: type, path_save: Path | None = None, **kwargs: Any) -> Any:
     """grid2op's results (``nb_process=1``), saving its episodes in ``path_save`` if given."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        runner = Runner(**env.get_params_for_runner(), agentClass=agent)
-        save = None if path_save is None else str(path_save)
-        return [_key(r) for r in runner.run(nb_process=1, path_save=save, **kwargs)]
+    runner = grid2ops(Runner, **env.get_params_for_runner(), agentClass=agent)
+    save = None if path_save is None else str(path_save)
+    return [_key(r) for r in grid2ops(runner.run, nb_process=1, path_save=save, **kwargs)]
 
 
 async def _three_runs(env: Any, agent: type, workers: int, **kwargs: Any) -> list[list[Any]]:

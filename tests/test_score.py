@@ -18,7 +18,7 @@ import asyncrunner
 from asyncrunner import compat
 from asyncrunner._pools._fork import ForkPool
 from tests.conftest import make_env
-from tests.helpers import SampleAgent, StorageAgent, quiet
+from tests.helpers import SampleAgent, StorageAgent, grid2ops, quiet
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")
@@ -34,10 +34,8 @@ pytestmark = [pytest.mark.anyio, pytest.mark.filterwarnings("ignore")]
 def env_copy(name: str, where: Path) -> Any:
     """The wheel's env ``name``, made from a copy in ``where``: grid2op's score classes write their
     statistics inside the env's folder, which must not touch (or come from) the installed one."""
-    source = make_env(name)
     folder = where / name
-    shutil.copytree(source.get_path_env(), folder)
-    source.close()
+    shutil.copytree(Path(grid2op.__file__).parent / "data" / name, folder)
     return make_env(str(folder))
 
 
@@ -76,10 +74,10 @@ def grid2op_scores(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], 
             _, cls, name, nb, second = next(c for c in CASES if c[0] == competition)
             env = env_copy(name, tmp_path_factory.mktemp("grid2op"))
             try:
-                scorer = quiet(getattr(grid2op.utils, cls), env, **_class_kwargs(nb))
+                scorer = grid2ops(getattr(grid2op.utils, cls), env, **_class_kwargs(nb))
                 computed[competition] = [
-                    quiet(scorer.get, DoNothingAgent(env.action_space)),
-                    quiet(scorer.get, second(env.action_space)),
+                    grid2ops(scorer.get, DoNothingAgent(env.action_space)),
+                    grid2ops(scorer.get, second(env.action_space)),
                 ]
             finally:
                 env.close()
