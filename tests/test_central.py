@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import multiprocessing
 import subprocess
 import sys
 from collections.abc import Sequence
@@ -12,11 +13,12 @@ from typing import Any
 import anyio
 import numpy as np
 import pytest
-from grid2op.Agent import BaseAgent, RandomAgent
+from grid2op.Agent import BaseAgent, DoNothingAgent, RandomAgent
 
 from asyncrunner import AsyncRunner, CentralAgent, StepBatch
 from asyncrunner.sinks import CallbackSink
 
+from .conftest import LightSimBackend, make_env
 from .helpers import children, wait_no_children
 
 pytestmark = pytest.mark.anyio
@@ -275,6 +277,31 @@ async def test_several_envs_per_worker(env: Any) -> None:
     central = CentralAgent(agent, envs_per_worker=4, max_wait=0.5)
     assert await play(env, central, workers=1, warm_up=4) == expected
     assert max(central.batch_sizes) > 1
+
+
+class LockCheckingBackend(LightSimBackend):  # type: ignore[misc]  # lightsim2grid is untyped
+    """LightSim whose power flows, in a worker process, fail unless the thread holds the
+    worker's env lock (every reset and step runs one)."""
+
+    def runpf(self, is_dc: bool = False) -> Any:
+        from asyncrunner._engine import _envs
+
+        if multiprocessing.parent_process() is not None and not _envs.exclusive()._is_owned():
+            raise RuntimeError("a power flow outside the worker's env lock")
+        return super().runpf(is_dc)
+
+
+async def test_episodes_of_one_worker_reset_and_step_under_the_env_lock() -> None:
+    # grid2op changes the process's warning filters while it resets and steps: the episodes a
+    # worker plays at once (one thread each) take turns, or a filter leaks into another's build.
+    env = make_env(backend=LockCheckingBackend())
+    try:
+        central = CentralAgent(DoNothingAgent, envs_per_worker=2)
+        async with AsyncRunner(env, agent=central, workers=1) as runner:
+            results = await runner.run(2, max_iter=5, env_seeds=[1, 2], agent_seeds=[3, 4])
+    finally:
+        env.close()
+    assert [(r.ok, r.nb_time_step) for r in results] == [(True, 5), (True, 5)], results
 
 
 @pytest.mark.parametrize(

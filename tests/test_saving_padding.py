@@ -89,6 +89,14 @@ def test_padded_npz_of_a_two_column_fill() -> None:
     )
 
 
+def test_npz_members_are_dated_1980_so_the_same_arrays_give_the_same_bytes() -> None:
+    # np.savez dates members with the time of writing: two writes of one episode would differ
+    # (and so would their checksums in asyncrunner.json) across a 2-second boundary.
+    data = npz_bytes(data=np.arange(6.0), padded=Padded(np.ones((2, 3)), 9, np.zeros(3)))
+    with zipfile.ZipFile(io.BytesIO(data)) as archive:
+        assert [m.date_time for m in archive.infolist()] == [(1980, 1, 1, 0, 0, 0)] * 2
+
+
 @pytest.mark.slow
 def test_padded_npz_beyond_4_gib() -> None:
     """Zip64: an array of more than 4 GiB (a long chronic, a wide grid) reads back whole."""
