@@ -9,12 +9,12 @@ from typing import Any
 
 import pytest
 
-from .helpers import grid2ops
-
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")
     import grid2op
     from grid2op.Runner import Runner
+
+    from .helpers import grid2ops  # imports grid2op's agents
 
 try:
     from lightsim2grid import LightSimBackend as LightSimBackend  # re-exported to the tests
