@@ -94,7 +94,9 @@ class EpisodeStarted:
 class StepBatch:
     """Consecutive steps ``first_step .. first_step + len(self) - 1`` (1-based) of one episode.
 
-    Arrays hold one row per step, with the dtypes grid2op's EpisodeData stores.
+    Arrays hold one row per step, with the dtypes grid2op's EpisodeData stores; ``actions``,
+    ``env_actions``, ``observations``, ``disc_lines``, ``attacks`` and ``other_rewards`` hold none
+    when no sink of the run reads the steps (``Sink.needs_steps``).
     """
 
     run_id: str
@@ -119,7 +121,11 @@ class StepBatch:
 
 @dataclass(frozen=True)
 class EpisodeFinished:
-    """An episode ended (game over or end of its chronic); ``times`` as grid2op's ``episode_times.json``."""
+    """An episode ended (game over or end of its chronic); ``times`` as grid2op's ``episode_times.json``.
+
+    ``files``: the episode's saved files, built by the worker for the run's episode writers, by
+    format (``Sink.episode_format``), then by file name.
+    """
 
     run_id: str
     index: int
@@ -133,6 +139,7 @@ class EpisodeFinished:
     agent_seed: int | None
     nb_highres_sim: int
     times: Mapping[str, Any] = field(repr=False)
+    files: Mapping[str, Mapping[str, bytes]] = field(default_factory=dict, repr=False)
 
 
 @dataclass(frozen=True)

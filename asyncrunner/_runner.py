@@ -288,6 +288,7 @@ class AsyncRunner(AsyncResource):
 
             all_sinks.append(ProgressBar(pbar))
         detail = streaming or any(s.needs_steps for s in all_sinks)
+        files = tuple(sorted({s.episode_format for s in all_sinks if s.episode_format}))
         settings = RunSettings(
             sinks=all_sinks,
             on_error=on_error,
@@ -298,7 +299,8 @@ class AsyncRunner(AsyncResource):
             agent=self._agent_name,
             central=self._central,
             env_for=self._env_for,
-            spaces=await self._spaces() if detail else {},
+            spaces=await self._spaces() if detail or files else {},
+            files=files,
         )
         return Run(self._get_pool(), requests, settings, skipped=skipped)
 

@@ -7,6 +7,7 @@ import dataclasses
 import json
 import os
 import warnings
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +30,8 @@ from asyncrunner._model import (
     StepBatch,
 )
 from asyncrunner.sinks import CallbackSink, CompactEpisodeWriter, EpisodeDataWriter
+from asyncrunner.sinks._buffer import EpisodeBuffer
+from asyncrunner.sinks._episode_data import episode_data_files
 from asyncrunner.sinks._writer import TMP_PREFIX
 
 from .helpers import BOTH_LOOPS
@@ -280,15 +283,20 @@ async def _check_replays(events: list[Event], tmp_path: Path) -> None:
                 assert _json(retried / name / file) == _json(reference / name / file), file
 
     # An episode of unknown length (max_ts <= 0): arrays grow and are cut to the steps played.
+    # (Its files built from the recorded steps, as its worker builds them.)
     grown = tmp_path / "grown"
     writer = EpisodeDataWriter(grown)
     await writer.send(run_started)
-    for event in own:
-        if isinstance(event, EpisodeStarted):
-            event = dataclasses.replace(event, max_ts=0)
-        await writer.send(event)
-    await writer.aclose()
+    unknown = dataclasses.replace(first, max_ts=0)
+    buffer = EpisodeBuffer(unknown, 0)
     finished = next(e for e in own if isinstance(e, EpisodeFinished))
+    for event in own:
+        if isinstance(event, StepBatch):
+            buffer.add(event)
+    await writer.send(unknown)
+    files = {"episode_data": episode_data_files(buffer, finished)}
+    await writer.send(dataclasses.replace(finished, files=files))
+    await writer.aclose()
     steps = finished.nb_time_step
     for file in ARRAY_FILES:
         full = _array(reference / first.name / file)
@@ -306,6 +314,14 @@ async def _check_replays(events: list[Event], tmp_path: Path) -> None:
     await writer.aclose()
     assert _names(cut) == [] and _hidden(cut) == []
     assert sorted(os.listdir(cut)) == sorted(SPACE_FILES)
+
+    # Events from elsewhere, without the files a run's workers build: an error that says so.
+    bare = EpisodeDataWriter(tmp_path / "bare")
+    await bare.send(run_started)
+    await bare.send(own[0])
+    with pytest.raises(RuntimeError, match="came without its 'episode_data' files"):
+        await bare.send(dataclasses.replace(finished, files={}))
+    await bare.aclose()
 
 
 @pytest.mark.slow  # icaps 2021 is a large grid: its env and grid2op's runs take a while
@@ -375,11 +391,17 @@ class _CancelWhileWriting(EpisodeDataWriter):
         self.scope = scope
         self.written: list[str] = []
 
-    def _write_files(self, folder: str, buffer: Any, finished: EpisodeFinished) -> None:
-        super()._write_files(folder, buffer, finished)
+    def _write_files(
+        self,
+        folder: str,
+        started: EpisodeStarted,
+        finished: EpisodeFinished,
+        files: Mapping[str, bytes],
+    ) -> None:
+        super()._write_files(folder, started, finished, files)
         if not self.written:
             anyio.from_thread.run_sync(self.scope.cancel)
-        self.written.append(buffer.started.name)
+        self.written.append(started.name)
 
 
 @BOTH_LOOPS

@@ -152,8 +152,8 @@ from asyncrunner.sinks import EpisodeDataWriter
 
 
 class Stuck(EpisodeDataWriter):
-    def _write_files(self, folder, buffer, finished):
-        super()._write_files(folder, buffer, finished)
+    def _write_files(self, folder, started, finished, files):
+        super()._write_files(folder, started, finished, files)
         open(sys.argv[2], "w").close()  # tell the test
         time.sleep(600)  # killed here: the episode's temporary folder stays behind
 

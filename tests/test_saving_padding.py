@@ -12,6 +12,7 @@ import threading
 import tracemalloc
 import warnings
 import zipfile
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +24,7 @@ from grid2op.Episode import EpisodeData
 from asyncrunner import AsyncRunner
 from asyncrunner._model import EpisodeStarted, Event, StepBatch
 from asyncrunner._plan._layout import sync
-from asyncrunner.sinks import CallbackSink
+from asyncrunner.sinks import CallbackSink, _npz
 from asyncrunner.sinks._buffer import EpisodeBuffer
 from asyncrunner.sinks._npz import Padded, npz_bytes
 
@@ -60,9 +61,24 @@ def _head(rng: np.random.Generator, dtype: Any, shape: tuple[int, ...]) -> np.nd
         (2, 3 * 2**14 + 7, 32),
     ],
 )
+@pytest.mark.parametrize("deflater", ["isal", "zlib"])
 def test_padded_npz_reads_as_savez_compressed(
-    dtype: Any, fill: Any, played: int, rows: int, width: int | None
+    dtype: Any,
+    fill: Any,
+    played: int,
+    rows: int,
+    width: int | None,
+    deflater: str,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    if deflater == "isal":
+        from isal import isal_zlib
+
+        assert (
+            vars(_npz)["_deflater"] is isal_zlib
+        )  # installed with asyncrunner here: the fast one is used
+    else:  # where isal has no wheel
+        monkeypatch.setattr(_npz, "_deflater", zlib)
     rng = np.random.default_rng(played + rows)
     row = () if width is None else (width,)
     padded = Padded(_head(rng, dtype, (played, *row)), rows, np.full(row, fill, dtype=dtype))

@@ -1,13 +1,20 @@
-"""The rows of the next ``StepBatch``, filled in place as the worker plays (no per-step arrays)."""
+"""The rows of the next ``StepBatch``, filled in place as the worker plays (no per-step arrays).
+
+The steps' arrays go to the orchestrator when one of its sinks reads them (``job.detail``), and to
+the worker's own ``EpisodeBuffer`` when the run saves episodes (``job.files``: the worker builds
+their files at the end).
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any
 
 import numpy as np
 
 from .._model import StepBatch
+from ..sinks._buffer import EpisodeBuffer
 from ._recipe import EpisodeJob
 
 __all__ = ["Batcher", "fill"]
@@ -15,6 +22,8 @@ __all__ = ["Batcher", "fill"]
 # A batch leaves when it holds this many steps, or when this many seconds passed since the last one.
 _BATCH_STEPS = 64
 _BATCH_SECONDS = 0.1
+# The arrays a batch sends without rows when only the worker's buffer reads them.
+_WIDE = ("actions", "env_actions", "observations", "disc_lines", "attacks", "other_rewards")
 
 
 def _to_float(value: Any) -> float:
@@ -50,11 +59,14 @@ def fill(row: np.ndarray, obj: Any) -> None:
 class Batcher:
     """Preallocated rows for the next StepBatch; flushed by size or age."""
 
-    def __init__(self, job: EpisodeJob, env: Any, n_other: int, send: Any) -> None:
+    def __init__(
+        self, job: EpisodeJob, env: Any, n_other: int, send: Any, keep: EpisodeBuffer | None
+    ) -> None:
         from grid2op.dtypes import dt_bool, dt_float
 
-        self.job, self.send, self.detail = job, send, job.detail
-        n = _BATCH_STEPS if job.detail else 0
+        self.job, self.send, self.keep = job, send, keep
+        self.detail = job.detail or keep is not None  # the rows are filled
+        n = _BATCH_STEPS if self.detail else 0
         self.actions = np.full((n, env.action_space.n), np.nan, dtype=dt_float)
         self.env_actions = np.full((n, env._helper_action_env.n), np.nan, dtype=dt_float)
         self.observations = np.full((n, env.observation_space.n), np.nan, dtype=dt_float)
@@ -115,25 +127,28 @@ class Batcher:
             return
         m = n if self.detail else 0
         job = self.job
-        self.send(
-            StepBatch(
-                run_id=job.run_id,
-                index=job.index,
-                attempt=job.attempt,
-                first_step=self.first_step,
-                actions=self.actions[:m].copy(),
-                env_actions=self.env_actions[:m].copy(),
-                observations=self.observations[:m].copy(),
-                rewards=self.rewards[:n].copy(),
-                done=self.done[:n].copy(),
-                disc_lines=self.disc_lines[:m].copy(),
-                attacks=self.attacks[:m].copy(),
-                legal=self.legal[:n].copy(),
-                ambiguous=self.ambiguous[:n].copy(),
-                agent_times=self.agent_times[:n].copy(),
-                other_rewards=self.other_rewards[:m].copy(),
-            )
+        batch = StepBatch(
+            run_id=job.run_id,
+            index=job.index,
+            attempt=job.attempt,
+            first_step=self.first_step,
+            actions=self.actions[:m].copy(),
+            env_actions=self.env_actions[:m].copy(),
+            observations=self.observations[:m].copy(),
+            rewards=self.rewards[:n].copy(),
+            done=self.done[:n].copy(),
+            disc_lines=self.disc_lines[:m].copy(),
+            attacks=self.attacks[:m].copy(),
+            legal=self.legal[:n].copy(),
+            ambiguous=self.ambiguous[:n].copy(),
+            agent_times=self.agent_times[:n].copy(),
+            other_rewards=self.other_rewards[:m].copy(),
         )
+        if self.keep is not None:
+            self.keep.add(batch)
+            if not job.detail:  # the orchestrator's sinks read no arrays: only the small ones go
+                batch = dataclasses.replace(batch, **{k: getattr(batch, k)[:0] for k in _WIDE})
+        self.send(batch)
         self.first_step += n
         self.n = 0
         self.last_flush = time.perf_counter()

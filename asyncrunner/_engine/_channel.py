@@ -50,6 +50,8 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 __all__ = ["AgentCall", "Channel", "ChannelClosed", "call", "claim", "connect", "open_channel"]
 
 _HEADER = struct.Struct("!Q")
+# Frames longer than this are read into a buffer of their own, in as few reads as the socket allows.
+_BIG = 1 << 16
 _HELLO_TIMEOUT = 10.0
 # Connections accepted that have not yet sent a valid hello: beyond this, the oldest is dropped.
 # A worker sends its hello as it connects, so it waits for one turn of the event loop at most.
@@ -352,7 +354,9 @@ class _Connection:
         self.sock = sock
         self.buffer = bytearray()
 
-    async def receive_exactly(self, n: int) -> bytes:
+    async def receive_exactly(self, n: int) -> bytes | bytearray:
+        if n > _BIG and len(self.buffer) < n:
+            return await self._receive_big(n)
         while len(self.buffer) < n:
             try:
                 chunk = self.sock.recv(max(n - len(self.buffer), 1 << 16))
@@ -364,6 +368,24 @@ class _Connection:
             self.buffer += chunk
         data = bytes(self.buffer[:n])
         del self.buffer[:n]
+        return data
+
+    async def _receive_big(self, n: int) -> bytearray:
+        """``n`` bytes read straight into their own buffer (an episode's files: megabytes)."""
+        data = bytearray(n)
+        view = memoryview(data)
+        got = len(self.buffer)
+        view[:got] = self.buffer
+        self.buffer.clear()
+        while got < n:
+            try:
+                k = self.sock.recv_into(view[got:])
+            except BlockingIOError:
+                await anyio.wait_readable(self.sock)
+                continue
+            if not k:
+                raise EOFError
+            got += k
         return data
 
     async def send(self, data: bytes) -> None:

@@ -49,7 +49,8 @@ class RunSettings:
     ``recipes``: each mix's pickled env and agent recipe, ``(key, bytes)``; ``agent``: the
     agent's recorded name; ``central``: the ``CentralAgent`` serving the workers, if any;
     ``env_for(mix)``: the parent's env of a mix; ``spaces``: ``RunStarted.spaces``; ``detail``:
-    whether the workers send the steps.
+    whether the workers send the steps' arrays; ``files``: the episode file formats they build
+    (``Sink.episode_format``).
     """
 
     sinks: Sequence[Sink]
@@ -62,6 +63,7 @@ class RunSettings:
     central: CentralAgent | None
     env_for: Callable[[str | None], Any]
     spaces: Mapping[str, Any]
+    files: tuple[str, ...] = ()
 
 
 class Run:
@@ -257,6 +259,7 @@ class Run:
             init_state=request.init_state,
             reset_options=request.reset_options,
             detail=self.detail,
+            files=self.settings.files,
             mix=request.mix,
         )
 

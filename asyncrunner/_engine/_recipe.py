@@ -57,6 +57,7 @@ class EpisodeJob:
     init_state: Any
     reset_options: dict[str, Any] | None
     detail: bool
+    files: tuple[str, ...] = ()  # the episode file formats to build (``sinks._files``)
     mix: str | None = None
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import copy
+import dataclasses
 import os
 import time
 import traceback
@@ -20,6 +21,8 @@ from typing import Any
 import numpy as np
 
 from .._model import EpisodeFailed, EpisodeFinished, EpisodeStarted
+from ..sinks._buffer import EpisodeBuffer
+from ..sinks._files import episode_files
 from . import _channel
 from ._batch import Batcher, fill
 from ._envs import _Cached, builds, discard, exclusive, get_env
@@ -165,8 +168,11 @@ def _play_on(job: EpisodeJob, env: Any, cached: _Cached, send: Any) -> int:
     agent.reset(obs)
     chronics = env.chronics_handler
     max_ts = max(chronics.max_timestep(), 0)
-    send(_started(job, env, obs, names, max_ts))
-    batch = Batcher(job, env, len(names), send)
+    started = _started(job, env, obs, names, max_ts)
+    send(started)
+    # The run saves episodes: their files are built here, from the rows kept in this buffer.
+    keep = EpisodeBuffer(started, 0) if job.files else None
+    batch = Batcher(job, env, len(names), send, keep)
     can_skip = type(env).CAN_SKIP_TS
     time_step = 0
     time_act = 0.0
@@ -209,7 +215,10 @@ def _play_on(job: EpisodeJob, env: Any, cached: _Cached, send: Any) -> int:
         raise
     end_ = time.perf_counter()
     batch.flush()
-    send(_finished(job, env, cum_reward, time_step, max_ts, time_act, end_ - beg_))
+    finished = _finished(job, env, cum_reward, time_step, max_ts, time_act, end_ - beg_)
+    if keep is not None:
+        finished = dataclasses.replace(finished, files=episode_files(keep, finished, job.files))
+    send(finished)
     return time_step
 
 
@@ -231,7 +240,7 @@ def _started(
         agent_seed=job.agent_seed,
         worker=os.getpid(),
         env_builds=builds(),
-        observation=obs.to_vect() if job.detail else np.empty(0, dtype=dt_float),
+        observation=obs.to_vect() if job.detail or job.files else np.empty(0, dtype=dt_float),
         parameters=env.parameters.to_dict(),
         meta={
             "chronics_max_timestep": str(chronics.max_timestep()),

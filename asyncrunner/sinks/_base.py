@@ -22,6 +22,9 @@ class Sink(AsyncResource):
     # Whether the sink reads the steps (``StepBatch``): when no sink of a run does, the workers
     # send none.
     needs_steps = True
+    # The episode files the sink saves ("episode_data" or "compact", see ``sinks._files``): the
+    # workers build them, where the steps are, and send them with ``EpisodeFinished.files``.
+    episode_format: str | None = None
 
     @property
     def saved(self) -> Mapping[int, str]:

@@ -88,12 +88,14 @@ class EpisodeBuffer:
             self.cum_reward64 += float(reward)
         self.n = max(self.n, lo + k)
 
-    def padded(self) -> dict[str, Padded]:
-        """The arrays to save: the rows played, and the padding that follows them."""
+    def padded(self, capacity: int | None = None) -> dict[str, Padded]:
+        """The arrays to save: the rows played, and the padding that follows them up to
+        ``capacity`` rows (default: the buffer's)."""
         if not self._data:  # no step arrived (grid2op always plays at least one)
             shapes = {name: (0,) if name in _WIDE else () for name in _FILLS}
             self._allocate({**shapes, "observations": self._first.shape})
-        rows = max(self.capacity, self.n) if self.capacity else self.n
+        capacity = self.capacity if capacity is None else max(capacity, 0)
+        rows = max(capacity, self.n) if capacity else self.n
         out = {}
         for name, arr in self._data.items():
             extra = int(name == "observations")

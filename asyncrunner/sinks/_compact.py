@@ -15,7 +15,7 @@ from ._buffer import EpisodeBuffer
 from ._npz import Padded, npz_bytes
 from ._writer import Writer, json_bytes, write_file
 
-__all__ = ["CompactEpisodeWriter"]
+__all__ = ["CompactEpisodeWriter", "compact_files"]
 
 # grid2op's CompactEpisodeData keeps its files in this sub-folder of ``path_save``.
 COMPACT_FOLDER = "CompactEpisodeData"
@@ -40,29 +40,29 @@ class CompactEpisodeWriter(Writer):
     chronic's name unless taken (by an earlier run or the same chronic played earlier in this
     run), then ``<name>_<k>`` with the smallest free ``k >= 1``.
 
-    ``paths`` maps each saved episode's request index to its ``.npz`` file.
+    ``paths`` maps each saved episode's request index to its ``.npz`` file. The files' bytes are
+    built by the worker that played the episode (``EpisodeFinished.files``).
     """
+
+    episode_format = "compact"
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         super().__init__(path)
         self.folder = os.path.join(self.path, COMPACT_FOLDER)
         self._work = self.folder
 
-    def _capacity(self, started: EpisodeStarted) -> int:
-        return compact_capacity(started)
-
     def _write_spaces(self, spaces: Mapping[str, Any]) -> None:
         self._write_json_once(self.folder, spaces, SPACE_FILES)
 
-    def _write_episode(self, buffer: EpisodeBuffer, finished: EpisodeFinished) -> str:
-        started = buffer.started
+    def _write_episode(
+        self, started: EpisodeStarted, finished: EpisodeFinished, files: Mapping[str, bytes]
+    ) -> str:
         os.makedirs(self.folder, exist_ok=True)
-        meta, data = compact_content(buffer, finished)
         tmp_meta = self._new_tmp(self.folder, ".json.part")
         tmp_npz = self._new_tmp(self.folder, ".npz.part")
         try:
-            write_file(tmp_meta, json_bytes(meta))
-            write_file(tmp_npz, npz_bytes(**data))
+            write_file(tmp_meta, files["metadata.json"])
+            write_file(tmp_npz, files["episode.npz"])
             sync([tmp_meta, tmp_npz])
             target = self._move_into_place(tmp_meta, tmp_npz, started.name)
             sync([self.folder])  # the renames
@@ -93,12 +93,18 @@ def compact_capacity(started: EpisodeStarted) -> int:
     return duration if 0 < duration < _NO_LIMIT else 0
 
 
+def compact_files(buffer: EpisodeBuffer, finished: EpisodeFinished) -> dict[str, bytes]:
+    """A CompactEpisodeData's ``metadata.json`` and ``episode.npz``."""
+    meta, data = compact_content(buffer, finished)
+    return {"metadata.json": json_bytes(meta), "episode.npz": npz_bytes(**data)}
+
+
 def compact_content(
     buffer: EpisodeBuffer, finished: EpisodeFinished
 ) -> tuple[dict[str, Any], dict[str, Padded]]:
     """A CompactEpisodeData's metadata and arrays, as grid2op's Runner makes them."""
     started = buffer.started
-    arrays = buffer.padded()
+    arrays = buffer.padded(compact_capacity(started))
     names = list(started.other_reward_names)
     order = sorted(range(len(names)), key=names.__getitem__)
     duration = int(started.max_episode_duration)

@@ -1,8 +1,8 @@
 """``EpisodeDataWriter``: saves episodes in grid2op's ``EpisodeData`` folder layout, atomically.
 
 The layout itself (file names, our record) and reading it back for ``resume`` are in
-``_plan._layout``; the buffering and atomic writing both writers share, in ``_buffer`` and
-``_writer``.
+``_plan._layout``; the atomic writing both writers share, in ``_writer``. The files' content is
+built by ``episode_data_files``, in the worker that played the episode (``sinks._files``).
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import numpy as np
 
 from .._model import (
     EpisodeFinished,
+    EpisodeStarted,
 )
 from .._plan._layout import (
     NAME_TAKEN,
@@ -27,7 +28,7 @@ from ._buffer import EpisodeBuffer
 from ._npz import Padded, npz_bytes
 from ._writer import Writer, json_bytes, write_file
 
-__all__ = ["EpisodeDataWriter"]
+__all__ = ["EpisodeDataWriter", "episode_data_files"]
 
 
 class EpisodeDataWriter(Writer):
@@ -50,13 +51,19 @@ class EpisodeDataWriter(Writer):
     does) unless that name is taken, by an earlier run in ``path`` or by the same chronic played
     earlier in this run; it then goes to ``<name>_<k>`` with the smallest free ``k >= 1``.
 
-    ``paths`` maps each saved episode's request index to its folder.
+    ``paths`` maps each saved episode's request index to its folder. The files' bytes are built
+    by the worker that played the episode (``EpisodeFinished.files``); this sink writes and places
+    them, in a thread.
     """
+
+    episode_format = "episode_data"
 
     def _write_spaces(self, spaces: Mapping[str, Any]) -> None:
         self._write_json_once(self.path, spaces, SPACE_FILES)
 
-    def _write_episode(self, buffer: EpisodeBuffer, finished: EpisodeFinished) -> str:
+    def _write_episode(
+        self, started: EpisodeStarted, finished: EpisodeFinished, files: Mapping[str, bytes]
+    ) -> str:
         os.makedirs(self.path, exist_ok=True)
         parent = self._new_tmp(self.path)
         try:
@@ -64,61 +71,26 @@ class EpisodeDataWriter(Writer):
             # Nested one level down: a complete temporary folder is never a child of ``path``.
             folder = os.path.join(parent, "episode")
             os.mkdir(folder)
-            self._write_files(folder, buffer, finished)
+            self._write_files(folder, started, finished, files)
             # The files and their names on the disk before the folder appears complete.
             sync([*(os.path.join(folder, name) for name in os.listdir(folder)), folder])
-            target = self._move_into_place(folder, buffer.started.name)
+            target = self._move_into_place(folder, started.name)
             sync([self.path])  # the rename
             return target
         finally:
             self._remove([parent])
 
-    def _write_files(self, folder: str, buffer: EpisodeBuffer, finished: EpisodeFinished) -> None:
-        from grid2op.Space import GRID2OP_CURRENT_VERSION_STR
-
-        started = buffer.started
-        arrays = buffer.padded()
-        meta = {
-            "chronics_path": started.chronics_path,
-            "chronics_max_timestep": started.meta["chronics_max_timestep"],
-            "grid_path": started.meta["grid_path"],
-            "backend_type": started.meta["backend_type"],
-            "env_type": started.meta["env_type"],
-            "nb_timestep_played": int(finished.nb_time_step),
-            "cumulative_reward": float(finished.cum_reward),
-            "env_seed": None if finished.env_seed is None else int(finished.env_seed),
-            "agent_seed": None if finished.agent_seed is None else int(finished.agent_seed),
+    def _write_files(
+        self,
+        folder: str,
+        started: EpisodeStarted,
+        finished: EpisodeFinished,
+        files: Mapping[str, bytes],
+    ) -> None:
+        written = {
+            name: {"size": len(data), "sha256": write_file(os.path.join(folder, name), data)}
+            for name, data in files.items()
         }
-        names = started.other_reward_names
-        played = arrays["other_rewards"].head.tolist()
-        other_rewards = [dict(zip(names, row, strict=True)) for row in played]
-        files: dict[str, dict[str, Any]] = {}
-
-        def put(name: str, data: bytes) -> None:
-            files[name] = {
-                "size": len(data),
-                "sha256": write_file(os.path.join(folder, name), data),
-            }
-
-        put("_parameters.json", json_bytes(dict(started.parameters)))
-        put("episode_meta.json", json_bytes(meta))
-        put("episode_times.json", json_bytes(finished.times))
-        put("other_rewards.json", json_bytes(other_rewards))
-        put("agent_exec_times.npz", npz_bytes(data=arrays["times"]))
-        put("actions.npz", npz_bytes(data=arrays["actions"]))
-        put("env_modifications.npz", npz_bytes(data=arrays["env_actions"]))
-        put("observations.npz", npz_bytes(data=arrays["observations"]))
-        put("opponent_attack.npz", npz_bytes(data=arrays["attacks"]))
-        put("disc_lines_cascading_failure.npz", npz_bytes(data=arrays["disc_lines"]))
-        put("rewards.npz", npz_bytes(data=arrays["rewards"]))
-        legal, ambiguous = arrays["legal"], arrays["ambiguous"]
-        legal_ambiguous = Padded(
-            np.stack((legal.head, ambiguous.head), axis=1),
-            legal.rows,
-            np.stack((legal.fill, ambiguous.fill)),
-        )
-        put("legal_ambiguous.npz", npz_bytes(data=legal_ambiguous))
-        put("grid2op.info", json_bytes({"version": f"{GRID2OP_CURRENT_VERSION_STR}"}))
         record = {
             "format": RECORD_FORMAT,
             "episode_id": started.episode_id,
@@ -130,7 +102,7 @@ class EpisodeDataWriter(Writer):
             "run_id": started.run_id,
             "index": started.index,
             "agent": self.agent,
-            "files": files,
+            "files": written,
         }
         write_file(os.path.join(folder, RECORD_FILE), json_bytes(record))
 
@@ -149,3 +121,45 @@ class EpisodeDataWriter(Writer):
                     continue
                 raise
             return target
+
+
+def episode_data_files(buffer: EpisodeBuffer, finished: EpisodeFinished) -> dict[str, bytes]:
+    """The files of an episode's ``EpisodeData`` folder (but our record), by name."""
+    from grid2op.Space import GRID2OP_CURRENT_VERSION_STR
+
+    started = buffer.started
+    arrays = buffer.padded(started.max_ts)  # grid2op preallocates chronics' max_timestep() rows
+    meta = {
+        "chronics_path": started.chronics_path,
+        "chronics_max_timestep": started.meta["chronics_max_timestep"],
+        "grid_path": started.meta["grid_path"],
+        "backend_type": started.meta["backend_type"],
+        "env_type": started.meta["env_type"],
+        "nb_timestep_played": int(finished.nb_time_step),
+        "cumulative_reward": float(finished.cum_reward),
+        "env_seed": None if finished.env_seed is None else int(finished.env_seed),
+        "agent_seed": None if finished.agent_seed is None else int(finished.agent_seed),
+    }
+    names = started.other_reward_names
+    played = arrays["other_rewards"].head.tolist()
+    legal, ambiguous = arrays["legal"], arrays["ambiguous"]
+    legal_ambiguous = Padded(
+        np.stack((legal.head, ambiguous.head), axis=1),
+        legal.rows,
+        np.stack((legal.fill, ambiguous.fill)),
+    )
+    return {
+        "_parameters.json": json_bytes(dict(started.parameters)),
+        "episode_meta.json": json_bytes(meta),
+        "episode_times.json": json_bytes(finished.times),
+        "other_rewards.json": json_bytes([dict(zip(names, row, strict=True)) for row in played]),
+        "agent_exec_times.npz": npz_bytes(data=arrays["times"]),
+        "actions.npz": npz_bytes(data=arrays["actions"]),
+        "env_modifications.npz": npz_bytes(data=arrays["env_actions"]),
+        "observations.npz": npz_bytes(data=arrays["observations"]),
+        "opponent_attack.npz": npz_bytes(data=arrays["attacks"]),
+        "disc_lines_cascading_failure.npz": npz_bytes(data=arrays["disc_lines"]),
+        "rewards.npz": npz_bytes(data=arrays["rewards"]),
+        "legal_ambiguous.npz": npz_bytes(data=legal_ambiguous),
+        "grid2op.info": json_bytes({"version": f"{GRID2OP_CURRENT_VERSION_STR}"}),
+    }

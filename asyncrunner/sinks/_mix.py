@@ -18,6 +18,7 @@ class OnlyMix(Sink):
         self.mix = mix
         self._mix_of = mix_of
         self.needs_steps = sink.needs_steps
+        self.episode_format = sink.episode_format
 
     def __repr__(self) -> str:
         return f"OnlyMix({self.sink!r}, {self.mix!r})"

@@ -3,8 +3,9 @@
 grid2op pads an episode's arrays to the chronic's length (rows of NaN after the last step) and
 compresses them whole in its worker processes; our writers compress in the parent, where that CPU
 is taken from the workers. A ``Padded`` array is the rows played plus how many padding rows follow:
-the played rows are deflated (zlib level 1: about twice as fast as grid2op's 6, files a few
-percent larger), and the padding is spliced in from blocks of ``2**k`` fill rows (up to about
+the played rows are deflated at level 1 by ISA-L (the ``isal`` package: about 7 times as fast as
+zlib's level 1 on grid2op's observations, files the same size; zlib's level 1 where ``isal`` has no
+wheel), and the padding is spliced in from blocks of ``2**k`` fill rows (up to about
 1 MiB, repeated for longer padding) compressed once per process. Each block is a deflate segment
 of its own (no back-references before it) ending on a byte boundary, so segments concatenate
 into one valid stream. The zip member's CRC-32 combines the played bytes' with the padding's,
@@ -22,6 +23,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
+
+try:
+    from isal import isal_zlib as _deflater
+except ImportError:  # no isal wheel for this platform (see pyproject.toml): zlib, slower
+    _deflater = zlib  # type: ignore[misc]
 
 __all__ = ["Padded", "npz_bytes"]
 
@@ -105,9 +111,9 @@ def _deflate(value: np.ndarray | Padded) -> tuple[list[bytes], int, int]:
     np.lib.format.write_array_header_1_0(
         header, {"descr": descr, "fortran_order": False, "shape": shape}
     )
-    compressor = zlib.compressobj(COMPRESS_LEVEL, zlib.DEFLATED, -15)
+    compressor = _deflater.compressobj(COMPRESS_LEVEL, zlib.DEFLATED, -15)
     parts = [compressor.compress(header.data), compressor.compress(head.data)]
-    crc = zlib.crc32(head.data, zlib.crc32(header.data))
+    crc = _deflater.crc32(head.data, _deflater.crc32(header.data))
     size = len(header.data) + head.nbytes
     if pad <= 0:
         parts.append(compressor.flush())

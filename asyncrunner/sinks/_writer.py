@@ -1,5 +1,5 @@
-"""What both episode writers share: buffering, work in progress under hidden names that a
-later run can clean up, writing off the event loop, moving an episode into place atomically."""
+"""What both episode writers share: the files the workers built, written off the event loop under
+hidden names that a later run can clean up, each episode moved into place atomically."""
 
 from __future__ import annotations
 
@@ -20,14 +20,16 @@ import anyio.to_thread
 import numpy as np
 
 from .._model import (
+    EpisodeFailed,
     EpisodeFinished,
+    EpisodeStarted,
     Event,
     RunStarted,
 )
 from .._plan._layout import (
     sync,
 )
-from ._buffer import BufferingSink, EpisodeBuffer
+from ._base import Sink
 
 __all__ = ["TMP_PREFIX", "Writer", "json_bytes", "write_file"]
 
@@ -41,18 +43,24 @@ _LIVE: set[str] = set()
 _LIVE_LOCK = threading.Lock()
 
 
-class Writer(BufferingSink):
-    """What both episode writers share: buffering per episode attempt, writing off the loop."""
+class Writer(Sink):
+    """What both episode writers share: an episode's files written off the loop, atomically.
+
+    The files come built with ``EpisodeFinished.files`` (under ``episode_format``): the workers
+    build them from the steps they play, so the steps themselves are not needed here.
+    """
+
+    needs_steps = False
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         path = os.path.abspath(os.fspath(path))
         if os.path.exists(path) and not os.path.isdir(path):
             raise ValueError(f"cannot save episodes in {path!r}: it exists and is not a folder")
-        super().__init__()
         self.path = path
         self.agent: str | None = None  # the run's agent, recorded with each episode
         self._work = path  # where work in progress goes
         self.paths: dict[int, str] = {}
+        self._open: dict[tuple[str, int], EpisodeStarted] = {}  # episode attempts playing
         self._reserved: set[str] = set()
         self._tmp: set[str] = set()
         self._lock = threading.Lock()
@@ -64,8 +72,10 @@ class Writer(BufferingSink):
         """Write the run's space files (in a thread)."""
 
     @abc.abstractmethod
-    def _write_episode(self, buffer: EpisodeBuffer, finished: EpisodeFinished) -> str:
-        """Write one finished episode (in a thread); returns its saved folder."""
+    def _write_episode(
+        self, started: EpisodeStarted, finished: EpisodeFinished, files: Mapping[str, bytes]
+    ) -> str:
+        """Write one finished episode's ``files`` (in a thread); returns where it is saved."""
 
     @property
     def saved(self) -> Mapping[int, str]:
@@ -73,22 +83,36 @@ class Writer(BufferingSink):
 
     # --- events -----------------------------------------------------------------------------
 
-    async def _finished(self, buffer: EpisodeBuffer, finished: EpisodeFinished) -> None:
-        self.paths[finished.index] = await anyio.to_thread.run_sync(
-            self._write_episode, buffer, finished
-        )
-
     async def send(self, event: Event) -> None:
         if isinstance(event, RunStarted):
             self.paths = {}
             self.agent = event.agent
             await anyio.to_thread.run_sync(self._start, event.spaces)
-        else:
-            await super().send(event)
+        elif isinstance(event, EpisodeStarted):
+            self._open[(event.run_id, event.index)] = event
+        elif isinstance(event, EpisodeFinished | EpisodeFailed):
+            key = (event.run_id, event.index)
+            started = self._open.get(key)
+            if started is None or started.attempt != event.attempt:
+                return
+            del self._open[key]
+            if isinstance(event, EpisodeFailed):
+                return
+            files = event.files.get(str(self.episode_format))
+            if files is None:
+                raise RuntimeError(
+                    f"{type(self).__name__}: episode {event.index} came without its "
+                    f"{self.episode_format!r} files, which the workers of an AsyncRunner build "
+                    "for the writers among a run's sinks: pass it to AsyncRunner(sinks=...) or "
+                    "run(sinks=...)"
+                )
+            self.paths[event.index] = await anyio.to_thread.run_sync(
+                self._write_episode, started, event, files
+            )
 
     async def aclose(self) -> None:
-        """Drop unfinished episodes and remove any work-in-progress left on disk."""
-        await super().aclose()
+        """Forget unfinished episodes and remove any work-in-progress left on disk."""
+        self._open.clear()
         with self._lock:
             leftovers = sorted(self._tmp)
         if leftovers:
@@ -166,7 +190,7 @@ class Writer(BufferingSink):
                 continue
             tmp = self._new_tmp(folder, ".part")
             try:
-                write_file(tmp, json_bytes(spaces[name]))
+                write_file(tmp, _space_json(spaces[name]))
                 sync([tmp])
                 if not os.path.exists(target):
                     os.replace(tmp, target)
@@ -178,6 +202,21 @@ class Writer(BufferingSink):
 def json_bytes(obj: Any) -> bytes:
     """``obj`` as grid2op writes its json files."""
     return json.dumps(_plain(obj), indent=4, sort_keys=True).encode("utf-8")
+
+
+# A runner's space dicts are the same objects every run: each is encoded once (a large grid's
+# four take about 20 ms). By id, with the dict itself held so that its id stays its own.
+_SPACE_JSON: dict[int, tuple[Any, bytes]] = {}
+_SPACE_JSON_MAX = 32
+
+
+def _space_json(space: Any) -> bytes:
+    hit = _SPACE_JSON.get(id(space))
+    if hit is None or hit[0] is not space:
+        if len(_SPACE_JSON) >= _SPACE_JSON_MAX:
+            _SPACE_JSON.clear()
+        hit = _SPACE_JSON[id(space)] = (space, json_bytes(space))
+    return hit[1]
 
 
 def write_file(path: str, data: bytes) -> str:
