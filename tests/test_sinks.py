@@ -168,6 +168,28 @@ async def test_callback_sink_calls_sync_and_async_functions(runner: AsyncRunner)
     assert sum(len(e) for e in sync_events if isinstance(e, StepBatch)) == 6
 
 
+async def test_callback_sink_without_steps_gets_batches_without_their_arrays(
+    runner: AsyncRunner, tmp_path: Path
+) -> None:
+    """``needs_steps=False``: no wide arrays cross, even while the run saves its episodes."""
+    events: list[Event] = []
+    with anyio.fail_after(TIMEOUT):
+        results = await runner.run(
+            2,
+            max_iter=3,
+            path_save=tmp_path,
+            sinks=[CallbackSink(events.append, needs_steps=False)],
+        )
+    batches = [e for e in events if isinstance(e, StepBatch)]
+    assert sum(len(b) for b in batches) == 6 and all(b.rewards.size for b in batches)
+    for name in ("actions", "env_actions", "observations", "disc_lines", "attacks"):
+        assert all(getattr(b, name).shape[0] == 0 for b in batches), name
+    assert all(r.path is not None for r in results)  # saved all the same, from the workers' files
+    files = [e.files for e in events if isinstance(e, EpisodeFinished)]
+    assert [sorted(f) for f in files] == [["episode_data"]] * 2
+    assert "observations.npz" in files[0]["episode_data"]
+
+
 # --- LoggingSink ---------------------------------------------------------------------------
 
 

@@ -238,7 +238,8 @@ async def asyncrunner_runs(
             if not lag_pass:
                 progress(f"AsyncRunner: {name.replace('_', ' ')}")
             clock = _FirstSteps(start)
-            attached = [] if sinks is None else [CallbackSink(clock), *sinks]
+            # The clock reads no steps: a run's cost is its sinks'.
+            attached = [] if sinks is None else [CallbackSink(clock, needs_steps=False), *sinks]
             probe.begin()
             cpu = time.process_time()
             played = await run(

@@ -12,10 +12,18 @@ __all__ = ["CallbackSink"]
 
 
 class CallbackSink(Sink):
-    """Calls ``fn(event)`` for every event; awaits it when ``fn`` is async."""
+    """Calls ``fn(event)`` for every event; awaits it when ``fn`` is async.
 
-    def __init__(self, fn: Callable[[Event], Awaitable[None] | None]) -> None:
+    ``needs_steps=False`` when ``fn`` reads no step arrays (it still gets every ``StepBatch``,
+    without the actions', observations' and other wide arrays' rows): if no sink of a run reads
+    them, the workers do not send them.
+    """
+
+    def __init__(
+        self, fn: Callable[[Event], Awaitable[None] | None], *, needs_steps: bool = True
+    ) -> None:
         self.fn = fn
+        self.needs_steps = needs_steps
 
     async def send(self, event: Event) -> None:
         result = self.fn(event)
