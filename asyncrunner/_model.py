@@ -124,7 +124,8 @@ class EpisodeFinished:
     """An episode ended (game over or end of its chronic); ``times`` as grid2op's ``episode_times.json``.
 
     ``files``: the episode's saved files, built by the worker for the run's episode writers, by
-    format (``Sink.episode_format``), then by file name.
+    format (``Sink.episode_format``), then by file name; empty for every other sink and in
+    ``stream()``.
     """
 
     run_id: str

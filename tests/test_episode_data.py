@@ -246,9 +246,28 @@ async def test_case14_saves_what_grid2op_saves(case14: dict[str, Any], tmp_path:
     await _check_replays(capture.events, tmp_path)
 
 
+def _with_files(events: list[Event]) -> list[Event]:
+    """The recorded events, each ``EpisodeFinished`` with the files its worker built (which only
+    the writers of the run saw), built again from the recorded steps."""
+    buffers: dict[int, EpisodeBuffer] = {}
+    out: list[Event] = []
+    for event in events:
+        if isinstance(event, EpisodeStarted):
+            buffers[event.index] = EpisodeBuffer(event, 0)
+        elif isinstance(event, StepBatch):
+            buffers[event.index].add(event)
+        elif isinstance(event, EpisodeFinished):
+            files = {"episode_data": episode_data_files(buffers[event.index], event)}
+            event = dataclasses.replace(event, files=files)
+        out.append(event)
+    return out
+
+
 async def _check_replays(events: list[Event], tmp_path: Path) -> None:
     """Feed the recorded events to writers again, with a retried attempt, an unknown length, and
     an episode cut short by ``aclose``."""
+    assert not any(isinstance(e, EpisodeFinished) and e.files for e in events)
+    events = _with_files(events)
     reference = tmp_path / "full"
     first = next(e for e in events if isinstance(e, EpisodeStarted))
     index = first.index

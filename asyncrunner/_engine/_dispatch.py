@@ -114,9 +114,12 @@ class Run:
                         send, receive = anyio.create_memory_object_stream[Event](SINK_BUFFER)
                         sink_sends.append(send)
                         sink_group.start_soon(_consume, sink, receive)
-                    targets: list[Callable[[Event], Awaitable[None]]] = [s.send for s in sink_sends]
+                    targets = [
+                        (send.send, sink.episode_format is not None)
+                        for send, sink in zip(sink_sends, self.sinks, strict=True)
+                    ]
                     if out is not None:
-                        targets.append(out.send)
+                        targets.append((out.send, False))
                     emit = _fan_out(targets)
                     agent, spaces = self.settings.agent, self.settings.spaces
                     await emit(RunStarted(self.run_id, len(self.requests), spaces, agent))
@@ -350,11 +353,17 @@ class Run:
 
 
 def _fan_out(
-    targets: list[Callable[[Event], Awaitable[None]]],
+    targets: Sequence[tuple[Callable[[Event], Awaitable[None]], bool]],
 ) -> Callable[[Event], Awaitable[None]]:
+    """Send each event to every target; an episode's files only to those that write them (the
+    others, ``stream()`` among them, could hold megabytes per episode without knowing it)."""
+
     async def emit(event: Event) -> None:
-        for target in targets:
-            await target(event)
+        bare = event
+        if isinstance(event, EpisodeFinished) and event.files:
+            bare = replace(event, files={})
+        for target, writes in targets:
+            await target(event if writes else bare)
 
     return emit
 
