@@ -3,7 +3,9 @@
 Functions here are called in a worker (one of ``_pools``) with picklable arguments (``_recipe``).
 Each episode plays a copy of its recipe's pristine env (``_envs``), the fresh env grid2op's
 Runner builds for every episode, so results match grid2op's Runner bit for bit. Steps go back in
-batches (``_batch``) over the run's channel (``_channel``), not as return values.
+batches (``_batch``) over the run's channel (``_channel``), not as return values; when the run
+saves episodes, their files are built here at the end (``sinks._files``) and sent with
+``EpisodeFinished``.
 When the agent lives in the orchestrator (``CentralAgent``), ``_RemoteAgent`` stands in for it:
 it sends each observation over the same channel and plays the action that comes back.
 """

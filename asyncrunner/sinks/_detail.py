@@ -1,9 +1,9 @@
 """``run(add_detailed_output=...)``: grid2op's ``EpisodeData`` of each episode, built from the events.
 
 grid2op's Runner fills an ``EpisodeData`` (or a ``CompactEpisodeData``) in the process that plays
-the episode and sends it back. Here the worker streams the steps as arrays (as for the episode
-writers); this sink assembles them in the same buffers as the writers and builds the object, in a
-worker thread, with the parent's copy of the env's spaces.
+the episode and sends it back. Here the worker streams the steps as arrays; this sink assembles
+them in the buffers the workers build the episode files from (``EpisodeBuffer``) and builds the
+object, in a worker thread, with the parent's copy of the env's spaces.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """Writing ``.npz`` files as ``np.savez_compressed`` does, padding included at almost no cost.
 
 grid2op pads an episode's arrays to the chronic's length (rows of NaN after the last step) and
-compresses them whole in its worker processes; our writers compress in the parent, where that CPU
-is taken from the workers. A ``Padded`` array is the rows played plus how many padding rows follow:
+compresses them whole in its worker processes; ours are compressed in the workers too
+(``sinks._files``), and every step of compression is CPU the episodes wait for. A ``Padded`` array is the rows played plus how many padding rows follow:
 the played rows are deflated at level 1 by ISA-L (the ``isal`` package: about 7 times as fast as
 zlib's level 1 on grid2op's observations, files the same size; zlib's level 1 where ``isal`` has no
 wheel), and the padding is spliced in from blocks of ``2**k`` fill rows (up to about
