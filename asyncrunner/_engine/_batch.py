@@ -22,7 +22,7 @@ __all__ = ["Batcher", "fill"]
 # A batch leaves when it holds this many steps, or when this many seconds passed since the last one.
 _BATCH_STEPS = 64
 _BATCH_SECONDS = 0.1
-# The arrays a batch sends without rows when only the worker's buffer reads them.
+# A step's wide rows (one per action, observation, ...): sent only to sinks that read them.
 _WIDE = ("actions", "env_actions", "observations", "disc_lines", "attacks", "other_rewards")
 
 
@@ -65,8 +65,8 @@ class Batcher:
         from grid2op.dtypes import dt_bool, dt_float
 
         self.job, self.send, self.keep = job, send, keep
-        self.detail = job.detail or keep is not None  # the rows are filled
-        n = _BATCH_STEPS if self.detail else 0
+        self.wide = job.detail or keep is not None  # the wide rows are filled
+        n = _BATCH_STEPS if self.wide else 0
         self.actions = np.full((n, env.action_space.n), np.nan, dtype=dt_float)
         self.env_actions = np.full((n, env._helper_action_env.n), np.nan, dtype=dt_float)
         self.observations = np.full((n, env.observation_space.n), np.nan, dtype=dt_float)
@@ -96,7 +96,7 @@ class Batcher:
         names: tuple[str, ...],
     ) -> None:
         i = self.n
-        if self.detail:
+        if self.wide:
             fill(self.actions[i], act)
             fill(self.env_actions[i], env._env_modification)
             fill(self.observations[i], obs)
@@ -125,29 +125,27 @@ class Batcher:
         n = self.n
         if n == 0:
             return
-        m = n if self.detail else 0
+        m = n if self.wide else 0
         job = self.job
+        # Views of the rows: ``send`` pickles the batch at once and the buffer copies what it
+        # keeps, before the rows are filled again.
+        wide = {name: getattr(self, name)[:m] for name in _WIDE}
         batch = StepBatch(
             run_id=job.run_id,
             index=job.index,
             attempt=job.attempt,
             first_step=self.first_step,
-            actions=self.actions[:m].copy(),
-            env_actions=self.env_actions[:m].copy(),
-            observations=self.observations[:m].copy(),
-            rewards=self.rewards[:n].copy(),
-            done=self.done[:n].copy(),
-            disc_lines=self.disc_lines[:m].copy(),
-            attacks=self.attacks[:m].copy(),
-            legal=self.legal[:n].copy(),
-            ambiguous=self.ambiguous[:n].copy(),
-            agent_times=self.agent_times[:n].copy(),
-            other_rewards=self.other_rewards[:m].copy(),
+            rewards=self.rewards[:n],
+            done=self.done[:n],
+            legal=self.legal[:n],
+            ambiguous=self.ambiguous[:n],
+            agent_times=self.agent_times[:n],
+            **wide,
         )
         if self.keep is not None:
             self.keep.add(batch)
             if not job.detail:  # the orchestrator's sinks read no arrays: only the small ones go
-                batch = dataclasses.replace(batch, **{k: getattr(batch, k)[:0] for k in _WIDE})
+                batch = dataclasses.replace(batch, **{k: a[:0] for k, a in wide.items()})
         self.send(batch)
         self.first_step += n
         self.n = 0
