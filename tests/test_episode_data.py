@@ -253,7 +253,7 @@ def _with_files(events: list[Event]) -> list[Event]:
     out: list[Event] = []
     for event in events:
         if isinstance(event, EpisodeStarted):
-            buffers[event.index] = EpisodeBuffer(event, 0)
+            buffers[event.index] = EpisodeBuffer(event)
         elif isinstance(event, StepBatch):
             buffers[event.index].add(event)
         elif isinstance(event, EpisodeFinished):
@@ -307,7 +307,7 @@ async def _check_replays(events: list[Event], tmp_path: Path) -> None:
     writer = EpisodeDataWriter(grown)
     await writer.send(run_started)
     unknown = dataclasses.replace(first, max_ts=0)
-    buffer = EpisodeBuffer(unknown, 0)
+    buffer = EpisodeBuffer(unknown)
     finished = next(e for e in own if isinstance(e, EpisodeFinished))
     for event in own:
         if isinstance(event, StepBatch):

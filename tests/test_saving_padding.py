@@ -186,14 +186,14 @@ async def test_buffer_holds_the_rows_played_only(tmp_path: Path) -> None:
     whole = (started.max_ts + 1) * width * 4  # the observations alone, padded
     tracemalloc.start()
     try:
-        buffer = EpisodeBuffer(started, started.max_ts)
+        buffer = EpisodeBuffer(started)
         for batch in batches:
             buffer.add(batch)
         held, _ = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
     assert held < whole / 10
-    assert buffer.arrays()["observations"].shape == (started.max_ts + 1, width)
+    assert buffer.arrays(started.max_ts)["observations"].shape == (started.max_ts + 1, width)
 
 
 def test_sync_keeps_its_threads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -173,7 +173,7 @@ def _play_on(job: EpisodeJob, env: Any, cached: _Cached, send: Any) -> int:
     started = _started(job, env, obs, names, max_ts)
     send(started)
     # The run saves episodes: their files are built here, from the rows kept in this buffer.
-    keep = EpisodeBuffer(started, 0) if job.files else None
+    keep = EpisodeBuffer(started) if job.files else None
     batch = Batcher(job, env, len(names), send, keep)
     can_skip = type(env).CAN_SKIP_TS
     time_step = 0

@@ -41,17 +41,16 @@ _WIDE = ("actions", "env_actions", "disc_lines", "attacks", "other_rewards")
 class EpisodeBuffer:
     """One attempt of one episode, in arrays shaped as grid2op's Runner allocates them.
 
-    With ``capacity > 0`` the arrays have ``capacity`` rows (observations one more), the rows
-    after the last step padded as grid2op pads them (NaN; ``True`` for disconnected lines and
-    legal; ``False`` for ambiguous; ``0`` for attacks); otherwise they hold the steps played.
     Only the rows played are kept (for a short episode the padding would be nearly all of its
-    memory): ``padded()`` gives them with their padding, ``arrays()`` the whole arrays.
+    memory): ``padded(capacity)`` gives them with their padding, ``arrays(capacity)`` the whole
+    arrays. With ``capacity > 0`` the arrays have ``capacity`` rows (observations one more), the
+    rows after the last step padded as grid2op pads them (NaN; ``True`` for disconnected lines
+    and legal; ``False`` for ambiguous; ``0`` for attacks); otherwise they hold the steps played.
     """
 
-    def __init__(self, started: EpisodeStarted, capacity: int) -> None:
+    def __init__(self, started: EpisodeStarted) -> None:
         self.started = started
         self.attempt = started.attempt
-        self.capacity = max(capacity, 0)
         self.n = 0
         self.cum_reward64 = 0.0  # as CompactEpisodeData sums: float(reward) in float64
         self._first = np.asarray(started.observation, dtype=np.float32)
@@ -88,14 +87,13 @@ class EpisodeBuffer:
             self.cum_reward64 += float(reward)
         self.n = max(self.n, lo + k)
 
-    def padded(self, capacity: int | None = None) -> dict[str, Padded]:
+    def padded(self, capacity: int) -> dict[str, Padded]:
         """The arrays to save: the rows played, and the padding that follows them up to
-        ``capacity`` rows (default: the buffer's)."""
+        ``capacity`` rows."""
         if not self._data:  # no step arrived (grid2op always plays at least one)
             shapes = {name: (0,) if name in _WIDE else () for name in _FILLS}
             self._allocate({**shapes, "observations": self._first.shape})
-        capacity = self.capacity if capacity is None else max(capacity, 0)
-        rows = max(capacity, self.n) if capacity else self.n
+        rows = max(capacity, self.n) if capacity > 0 else self.n
         out = {}
         for name, arr in self._data.items():
             extra = int(name == "observations")
@@ -103,9 +101,9 @@ class EpisodeBuffer:
             out[name] = Padded(arr[: self.n + extra], rows + extra, fill)
         return out
 
-    def arrays(self) -> dict[str, np.ndarray]:
+    def arrays(self, capacity: int) -> dict[str, np.ndarray]:
         """The whole arrays, padding included."""
-        return {name: padded.full() for name, padded in self.padded().items()}
+        return {name: padded.full() for name, padded in self.padded(capacity).items()}
 
 
 def _of(batch: StepBatch, name: str) -> np.ndarray:
@@ -124,9 +122,6 @@ class BufferingSink(Sink):
     def __init__(self) -> None:
         self._open: dict[tuple[str, int], EpisodeBuffer] = {}
 
-    def _capacity(self, started: EpisodeStarted) -> int:
-        return started.max_ts  # grid2op preallocates chronics_handler.max_timestep() rows
-
     @abc.abstractmethod
     async def _finished(self, buffer: EpisodeBuffer, finished: EpisodeFinished) -> None:
         """Hand on a finished episode's buffer."""
@@ -137,7 +132,7 @@ class BufferingSink(Sink):
             if buffer is not None and buffer.attempt == event.attempt:
                 buffer.add(event)
         elif isinstance(event, EpisodeStarted):
-            self._open[(event.run_id, event.index)] = EpisodeBuffer(event, self._capacity(event))
+            self._open[(event.run_id, event.index)] = EpisodeBuffer(event)
         elif isinstance(event, EpisodeFinished | EpisodeFailed):
             key = (event.run_id, event.index)
             buffer = self._open.get(key)

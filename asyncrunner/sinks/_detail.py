@@ -16,9 +16,9 @@ import anyio
 import anyio.to_thread
 import numpy as np
 
-from .._model import EpisodeFinished, EpisodeStarted
+from .._model import EpisodeFinished
 from ._buffer import BufferingSink, EpisodeBuffer
-from ._compact import compact_capacity, compact_content
+from ._compact import compact_content
 
 __all__ = ["DetailCollector", "compact_episode_data", "episode_data"]
 
@@ -41,9 +41,6 @@ class DetailCollector(BufferingSink):
 
     def __repr__(self) -> str:
         return f"DetailCollector(compact={self.compact})"
-
-    def _capacity(self, started: EpisodeStarted) -> int:
-        return compact_capacity(started) if self.compact else super()._capacity(started)
 
     async def _finished(self, buffer: EpisodeBuffer, finished: EpisodeFinished) -> None:
         self.data[finished.index] = await anyio.to_thread.run_sync(
@@ -81,7 +78,7 @@ def episode_data(env: Any, obs_space: Any, buffer: EpisodeBuffer, finished: Epis
     from grid2op.Episode import EpisodeData
 
     started = buffer.started
-    arrays = buffer.arrays()
+    arrays = buffer.arrays(started.max_ts)  # grid2op preallocates max_timestep() rows
     n = int(finished.nb_time_step)
     names = started.other_reward_names
     other_rewards = [
