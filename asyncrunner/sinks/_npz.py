@@ -2,11 +2,12 @@
 
 grid2op pads an episode's arrays to the chronic's length (rows of NaN after the last step) and
 compresses them whole in its worker processes; ours are compressed in the workers too
-(``sinks._files``), and every step of compression is CPU the episodes wait for. A ``Padded`` array is the rows played plus how many padding rows follow:
-the played rows are deflated at level 1 by ISA-L (the ``isal`` package: about 7 times as fast as
-zlib's level 1 on grid2op's observations, files the same size; zlib's level 1 where ``isal`` has no
-wheel), and the padding is spliced in from blocks of ``2**k`` fill rows (up to about
-1 MiB, repeated for longer padding) compressed once per process. Each block is a deflate segment
+(``sinks._files``), where every second of compression is one the episodes wait for. A ``Padded``
+array is the rows played plus how many padding rows follow: the played rows are deflated at level
+1 by ISA-L (the ``isal`` package: about 7 times as fast as zlib's level 1 on grid2op's
+observations, files the same size; zlib's level 1 where ``isal`` has no wheel), and the padding is
+spliced in from blocks of ``2**k`` fill rows (up to about 1 MiB, repeated for longer padding)
+compressed once per process. Each block is a deflate segment
 of its own (no back-references before it) ending on a byte boundary, so segments concatenate
 into one valid stream. The zip member's CRC-32 combines the played bytes' with the padding's,
 which is computed arithmetically from the fill row's (as zlib's ``crc32_combine``), never over
