@@ -12,6 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 import asyncrunner
@@ -66,7 +67,8 @@ def _class_kwargs(nb: int) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def grid2op_scores(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], list[Any]]:
     """``grid2op_scores(competition)``: what grid2op's class (with grid2op's Runner) gives for
-    DoNothingAgent and the case's second agent; computed once for the tests that compare to it."""
+    DoNothingAgent and the case's second agent; computed once for the tests that compare to it.
+    ``get.folders[competition]``: the env folder where the class wrote its statistics."""
     computed: dict[str, list[Any]] = {}
 
     def get(competition: str) -> list[Any]:
@@ -79,11 +81,25 @@ def grid2op_scores(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], 
                     grid2ops(scorer.get, DoNothingAgent(env.action_space)),
                     grid2ops(scorer.get, second(env.action_space)),
                 ]
+                get.folders[competition] = Path(env.get_path_env())  # type: ignore[attr-defined]
             finally:
                 env.close()
         return computed[competition]
 
+    get.folders = {}  # type: ignore[attr-defined]
     return get
+
+
+def _statistics(folder: Path) -> dict[str, Any]:
+    """Every array of the ``EpisodeStatistics`` folders found in ``folder``, by path from each
+    statistics folder (``_statistics_<reference>/...``)."""
+    arrays = {}
+    for path in sorted(folder.glob("**/_statistics_*/**/*.npz")):
+        parts = path.relative_to(folder).parts
+        start = next(i for i, part in enumerate(parts) if part.startswith("_statistics_"))
+        with np.load(path) as npz:
+            arrays["/".join(parts[start:])] = npz["data"]
+    return arrays
 
 
 @pytest.mark.slow
@@ -117,8 +133,15 @@ async def test_score_equals_grid2ops_class_for_two_agents(
             firsts = [s[0] if isinstance(s, tuple) else s for s in scores]
             assert [s.score for s in result.scenarios] == [float(v) for v in firsts]
             assert result.total == pytest.approx(sum(firsts) / len(firsts))
-        # Nothing written in the env's folder (grid2op's classes cache there).
+        # Nothing written in the env's folder (grid2op's classes cache there)...
         assert EpisodeStatistics.list_stats(ours_env) == []
+        # ...but in the cache, in grid2op's layout: the same files, the same arrays.
+        ours = _statistics(tmp_path / "cache")
+        theirs = _statistics(grid2op_scores.folders[competition])  # type: ignore[attr-defined]
+        assert sorted(ours) == sorted(theirs) and len(ours) > 2
+        for path, array in theirs.items():
+            assert ours[path].dtype == array.dtype, path
+            np.testing.assert_array_equal(ours[path], array, err_msg=path)
     finally:
         ours_env.close()
 

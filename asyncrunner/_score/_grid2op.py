@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .._plan._arguments import check_path_save, chronic_names
+from ..sinks._npz import npz_bytes
 
 __all__ = [
     "COMPETITIONS",
@@ -210,6 +211,14 @@ def _stats_for(
         @staticmethod
         def run_env(**kwargs: Any) -> None:
             return None
+
+        # grid2op writes each statistic with np.savez_compressed (zlib's level 6): most of the
+        # post-processing's time (1.2 of 1.8 s for a 2023 score's two references). The same
+        # file, the same arrays for np.load, deflated at level 1 by ISA-L (sinks._npz).
+        @staticmethod
+        def _save_numpy(path: str, array: Any) -> None:
+            with open(path if path.endswith(".npz") else f"{path}.npz", "wb") as f:
+                f.write(npz_bytes(data=array))
 
     env = scorer.env
     params = ref.parameters if ref.parameters is not None else env.parameters
