@@ -16,6 +16,7 @@ from anyio.abc import AsyncResource
 from ._engine._central import CentralAgent
 from ._engine._dispatch import Run, RunSettings
 from ._engine._envs import hold, release, warm
+from ._engine._parsed import ParsedAhead
 from ._engine._pool import WorkerPool
 from ._engine._recipe import agent_name, agent_recipe, recipes
 from ._exceptions import AsyncRunnerError, EpisodeError, leaves
@@ -372,12 +373,17 @@ class AsyncRunner(AsyncResource):
 
 
 @asynccontextmanager
-async def sharing_workers(runners: Sequence[AsyncRunner], workers: int) -> AsyncIterator[None]:
+async def sharing_workers(
+    runners: Sequence[AsyncRunner], workers: int, resets: Sequence[dict[str, Any]] = ()
+) -> AsyncIterator[None]:
     """Opens ``runners`` on one pool of ``workers`` processes, closed at the end of the block.
 
     Their runs then play on the same warm workers, episodes of all of them interleaved as the
     workers free up, where each runner would have started its own pool. Every runner's env is
     held before the first worker starts: a forked worker has all of them (none builds one).
+    ``resets``: reset options (chronic, max steps) the runs will play; on a machine with a core
+    to spare, their chronics are parsed meanwhile (``ParsedAhead``), so that no forked worker
+    parses them.
     """
     first = runners[0]
     for runner in runners:
@@ -385,15 +391,23 @@ async def sharing_workers(runners: Sequence[AsyncRunner], workers: int) -> Async
             raise AsyncRunnerError("sharing_workers needs runners that never started a pool")
     first.workers = workers
     pool = first._get_pool()
+    ahead = None
     try:
         for runner in runners[1:]:
             runner._pool, runner._shares_pool, runner.workers = pool, True, workers
+        if resets and pool.forks_this_process and (os.cpu_count() or 1) > 1:
+            ahead = await anyio.to_thread.run_sync(ParsedAhead, first.env, list(resets))
         for runner in runners:
             await runner._hold()
+        if ahead is not None:
+            await anyio.to_thread.run_sync(ahead.join)
         count = min(workers, os.cpu_count() or 1)
         await pool.warm_up(count, warm, first._recipe_key, first._recipe_bytes)
         yield
     finally:
+        if ahead is not None:
+            with anyio.CancelScope(shield=True):
+                await anyio.to_thread.run_sync(ahead.join)
         for runner in (*runners[1:], first):  # the pool's owner last
             await runner.aclose()
 

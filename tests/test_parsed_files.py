@@ -3,7 +3,9 @@ built again, is not parsed again, and gives the same objects, so the same episod
 
 from __future__ import annotations
 
+import os
 import shutil
+import time
 from pathlib import Path
 from typing import Any
 
@@ -119,3 +121,69 @@ def test_a_grid_built_again_is_not_parsed_again_and_plays_the_same(
             cached.close()
         reference.close()
     assert pandapower.from_json is spy  # restored after each build
+
+
+def _finished(ahead: _parsed.ParsedAhead, resets: int, seconds: float = 60) -> None:
+    """Waits (a probe with a deadline) until the helper saved the parses of ``resets`` resets."""
+    folder = Path(ahead._folder)
+    deadline = time.monotonic() + seconds
+    while len(list(folder.glob("*.pickle"))) < resets:
+        assert time.monotonic() < deadline, "the helper did not finish"
+        time.sleep(0.05)
+
+
+def _reaped(pid: int) -> bool:
+    try:
+        os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:
+        return True
+    return False
+
+
+def test_chronics_parsed_ahead_by_a_helper_are_not_parsed_here(reads: list[str]) -> None:
+    env = make_env("rte_case14_opponent")
+    options = {"time serie id": 1, "max step": 20}
+    expected = env.copy()
+    try:
+        obs = expected.reset(seed=3, options=options)  # outside the cache: parsed here
+        reads.clear()
+        ahead = _parsed.ParsedAhead(env, [options])
+        pid = ahead._pid
+        _finished(ahead, 1)
+        ahead.join()
+        assert reads == []  # the helper parsed them, in its own process
+        assert _reaped(pid) and not Path(ahead._folder).exists()
+        episode = env.copy()
+        with _parsed.parsing_once():
+            again = episode.reset(seed=3, options=options)
+        assert reads == []  # every file from the helper's parses
+        np.testing.assert_array_equal(again.to_vect(), obs.to_vect())
+        for _ in range(5):
+            np.testing.assert_array_equal(
+                episode.step(env.action_space())[0].to_vect(),
+                expected.step(env.action_space())[0].to_vect(),
+            )
+        with _parsed.parsing_once():
+            episode.reset(seed=3, options={"time serie id": 0, "max step": 20})
+        assert reads  # a chronic the helper did not parse is parsed here
+        episode.close()
+    finally:
+        expected.close()
+        env.close()
+
+
+def test_a_helper_stopped_early_or_failing_leaves_nothing_behind(reads: list[str]) -> None:
+    env = make_env("rte_case14_opponent")
+    try:
+        failing = _parsed.ParsedAhead(env, [{"time serie id": "no_such_chronic"}])
+        pid = failing._pid
+        os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT)  # it ends on its own (not reaped)
+        failing.join()
+        assert len(_parsed._parsed) == 0 and not Path(failing._folder).exists()
+        stopped = _parsed.ParsedAhead(env, [{"time serie id": i} for i in range(50)])
+        pid = stopped._pid
+        stopped.join()  # at once: keeps what it finished, if anything
+        stopped.join()  # idempotent
+        assert _reaped(pid) and not Path(stopped._folder).exists()
+    finally:
+        env.close()

@@ -146,7 +146,8 @@ async def _play_and_score(
 
     # One pool for every runner: the references' and the agents' episodes interleave on the
     # same warm workers.
-    async with sharing_workers(runners, total), anyio.create_task_group() as group:
+    resets = [{"time serie id": i, "max step": plan.max_iter} for i in range(plan.nb)]
+    async with sharing_workers(runners, total, resets), anyio.create_task_group() as group:
         for i, (folder, _, _) in enumerate(plan.jobs):
             group.start_soon(play, i, folder)
     scorer = plan.scorer
