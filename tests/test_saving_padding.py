@@ -16,9 +16,10 @@ import zlib
 from pathlib import Path
 from typing import Any
 
+import anyio
 import numpy as np
 import pytest
-from grid2op.Agent import RandomAgent
+from grid2op.Agent import DoNothingAgent, RandomAgent
 from grid2op.Episode import EpisodeData
 
 from asyncrunner import AsyncRunner
@@ -215,3 +216,49 @@ def test_sync_keeps_its_threads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch)
     for _ in range(3):
         sync(paths)
     assert len(started) < len(paths)
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_batches_whose_arrays_no_sink_reads_leave_rarely_and_every_row_is_saved(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each batch costs this process CPU: one whose arrays no sink reads waits (up to 0.5 s, or
+    4096 steps), while a saving worker's buffer still takes its rows every 64 steps."""
+    from asyncrunner._engine import _batch
+
+    # Batches leave by size or at the episode's end only (the workers fork after this).
+    monkeypatch.setattr(_batch, "_BATCH_SECONDS", 1e9)
+    monkeypatch.setattr(_batch, "_QUIET_SECONDS", 1e9)
+    from .conftest import make_env
+
+    env = make_env()
+    sizes: dict[bool, list[int]] = {}
+    saved: dict[bool, Path] = {}
+    try:
+        for reads in (True, False):
+            seen: list[int] = []
+
+            def count(event: Event, seen: list[int] = seen) -> None:
+                if isinstance(event, StepBatch):
+                    seen.append(len(event))
+
+            sink = CallbackSink(count, needs_steps=reads)
+            async with AsyncRunner(env, agent=DoNothingAgent, workers=1, sinks=[sink]) as runner:
+                with anyio.fail_after(180):
+                    (result,) = await runner.run(
+                        1, max_iter=200, env_seeds=[0], agent_seeds=[0], episode_id=[0],
+                        path_save=tmp_path / str(reads),
+                    )  # fmt: skip
+            assert result.nb_time_step == 200 and result.path is not None
+            sizes[reads], saved[reads] = seen, Path(result.path)
+    finally:
+        env.close()
+    assert sizes == {True: [64, 64, 64, 8], False: [200]}
+    for name in ("actions", "env_modifications", "observations", "rewards", "opponent_attack"):
+        with np.load(saved[True] / f"{name}.npz") as a, np.load(saved[False] / f"{name}.npz") as b:
+            np.testing.assert_array_equal(a["data"], b["data"], err_msg=name)
+    for name in ("disc_lines_cascading_failure", "legal_ambiguous"):
+        assert (saved[True] / f"{name}.npz").read_bytes() == (
+            saved[False] / f"{name}.npz"
+        ).read_bytes()
