@@ -265,6 +265,10 @@ async def asyncrunner_runs(
         start = time.perf_counter()
         async with AsyncRunner(env, agent=agent, workers=plan.workers) as runner:
             await measured("cold", start, runner.run, path_save=os.path.join(tmp, "cold"))
+            # Not timed: the same episodes once more, so that every warm run finds each worker
+            # with the chronics parsed (a worker parses a chronic the first time it plays it:
+            # 0.4 s on l2rpn_idf_2023), whichever of them its episodes land on.
+            await runner.run(plan.nb_episode, **plan.kwargs())
             await measured(
                 "warm", time.perf_counter(), runner.run, path_save=os.path.join(tmp, "warm")
             )
