@@ -31,10 +31,11 @@ def _spy(monkeypatch: pytest.MonkeyPatch, module: Any, name: str) -> list[str]:
 
 
 @pytest.fixture
-def reads(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """The files pandas really parses, with an empty cache."""
+def reads(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> list[str]:
+    """The files pandas really parses, with an empty cache (in memory, and on disk for grids)."""
     monkeypatch.setattr(_parsed, "_parsed", type(_parsed._parsed)())
     monkeypatch.setattr(_parsed, "_size", 0)
+    monkeypatch.setattr(_parsed, "_grid_folder", lambda: str(tmp_path / "grids"))
     return _spy(monkeypatch, pandas, "read_csv")
 
 
@@ -121,6 +122,48 @@ def test_a_grid_built_again_is_not_parsed_again_and_plays_the_same(
             cached.close()
         reference.close()
     assert pandapower.from_json is spy  # restored after each build
+
+
+def test_a_grid_parsed_by_an_earlier_process_is_loaded_from_disk(
+    reads: list[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    import pandapower  # type: ignore[import-untyped]
+    from grid2op.Agent import DoNothingAgent
+
+    from asyncrunner._engine._envs import _Cached
+    from asyncrunner._engine._recipe import Recipe
+
+    grids = _spy(monkeypatch, pandapower, "from_json")
+    reference = make_env("l2rpn_case14_sandbox")  # built outside the cache
+    recipe = Recipe(reference.get_params_for_runner(), "class", DoNothingAgent)
+    grids.clear()
+    first = _Cached(recipe)  # parsed, and written to disk
+    assert len(grids) == 1
+    (kept,) = (tmp_path / "grids").iterdir()
+    # Another process: nothing in memory, the grid on disk.
+    monkeypatch.setattr(_parsed, "_parsed", type(_parsed._parsed)())
+    monkeypatch.setattr(_parsed, "_size", 0)
+    second = _Cached(recipe)
+    assert len(grids) == 1  # loaded, not parsed
+    kept.write_bytes(b"damaged")
+    monkeypatch.setattr(_parsed, "_parsed", type(_parsed._parsed)())
+    third = _Cached(recipe)
+    assert len(grids) == 2  # a damaged file: parsed again, and written again whole
+    (key,) = (k for k in _parsed._parsed if k[0] == "pandapower.from_json")
+    assert _parsed._grid_from_disk(key) is not None
+    try:
+        runs = []
+        for env in [reference.copy(), *(c.episode_env() for c in (first, second, third))]:
+            env.reset(seed=4, options={"time serie id": 1})
+            runs.append([env.step(env.action_space())[0].to_vect() for _ in range(5)])
+            env.close()
+        for run in runs[1:]:
+            for a, b in zip(run, runs[0], strict=True):
+                np.testing.assert_array_equal(a, b)
+    finally:
+        for cached in (first, second, third):
+            cached.close()
+        reference.close()
 
 
 def _finished(ahead: _parsed.ParsedAhead, resets: int, seconds: float = 60) -> None:

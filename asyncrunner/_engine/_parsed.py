@@ -5,8 +5,12 @@ it builds and at every reset.
   them bz2-compressed) at every reset: 92 % of a reset's time on ``rte_case14_opponent``, about
   130 ms, against 3 ms for the few steps an episode of a random agent lasts there. Episodes of a
   run, of the runs after it, and of a score's references and agents play the same chronics again.
-- Grids: a backend reads the grid's JSON (``pandapower.from_json``) at every env build: 0.64 s
-  on ``l2rpn_idf_2023``. A score builds one env per parametrisation of the same grid.
+- Grids: a backend reads the grid's JSON (``pandapower.from_json``) at every env build: 0.62 s
+  on ``l2rpn_case14_sandbox``, 0.75 s on ``l2rpn_idf_2023``, most of a cold run's wait. A score
+  builds one env per parametrisation of the same grid. A parsed grid is also kept on disk
+  (pickled, in ``$XDG_CACHE_HOME/asyncrunner/grids`` or ``~/.cache/asyncrunner/grids``, keyed
+  like the memory's entries and by the versions of Python, pandas and pandapower): the next
+  process loads it in about 10 ms instead of parsing it.
 
 Within ``parsing_once()`` these functions, called with a file path and plain arguments (numbers,
 strings, types), return a deep copy of what they returned for the same file (same size and
@@ -22,10 +26,12 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import hashlib
 import os
 import pickle
 import shutil
 import signal
+import sys
 import tempfile
 import threading
 from collections import OrderedDict
@@ -66,6 +72,44 @@ def _bytes(obj: Any) -> int:
     return int(sum(usage))
 
 
+def _grid_folder() -> str:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "asyncrunner", "grids")
+
+
+def _grid_file(key: tuple[Any, ...]) -> tuple[str, tuple[str, ...]]:
+    import pandapower  # type: ignore[import-untyped]
+    import pandas
+
+    versions = (sys.version, pandas.__version__, pandapower.__version__)
+    digest = hashlib.blake2b(repr((key, versions)).encode(), digest_size=16).hexdigest()
+    return os.path.join(_grid_folder(), f"{digest}.pickle"), versions
+
+
+def _grid_from_disk(key: tuple[Any, ...]) -> Any:
+    """The grid parsed for ``key`` by an earlier process (None: not there, or not readable)."""
+    path, versions = _grid_file(key)
+    try:
+        with open(path, "rb") as f:
+            kept_key, kept_versions, grid = pickle.load(f)
+    except Exception:  # missing, or damaged: parsed again (and written again)
+        return None
+    return grid if (kept_key, kept_versions) == (key, versions) else None
+
+
+def _grid_to_disk(key: tuple[Any, ...], grid: Any) -> None:
+    path, versions = _grid_file(key)
+    try:
+        os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".part")
+        with os.fdopen(fd, "wb") as f:
+            pickle.dump((key, versions, grid), f, protocol=pickle.HIGHEST_PROTOCOL)
+        os.replace(tmp, path)  # whole, or not at all
+    except OSError:  # a read-only or full disk: this process's memory only
+        with contextlib.suppress(OSError, UnboundLocalError):
+            os.unlink(tmp)
+
+
 def _memoised(name: str) -> Callable[..., Any]:
     def parse(path: Any, *args: Any, **kwargs: Any) -> Any:
         global _size
@@ -79,7 +123,12 @@ def _memoised(name: str) -> Callable[..., Any]:
                 _parsed.move_to_end(key)
         if found is not None:
             return copy.deepcopy(found[0])
-        parsed = original(path, **kwargs)
+        grid = name == "pandapower.from_json"
+        parsed = _grid_from_disk(key) if grid else None
+        if parsed is None:
+            parsed = original(path, **kwargs)
+            if grid:
+                _grid_to_disk(key, parsed)
         size = _bytes(parsed)
         if size <= MAX_BYTES:
             kept = copy.deepcopy(parsed)  # before the caller changes its own
@@ -101,12 +150,13 @@ _from_json = _memoised("pandapower.from_json")
 
 @contextlib.contextmanager
 def parsing_once() -> Iterator[None]:
-    """Within the block, the chronics and grid files parsed before come from memory."""
+    """Within the block, the chronics and grid files parsed before come from memory (grids also
+    from disk)."""
     global _users
     import pandas
 
     try:
-        import pandapower  # type: ignore[import-untyped]
+        import pandapower
     except ImportError:  # a backend of its own, without pandapower
         pandapower = None
     patched = [(pandas, "read_csv", _read_csv)]
