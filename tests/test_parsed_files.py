@@ -127,7 +127,7 @@ def test_a_grid_built_again_is_not_parsed_again_and_plays_the_same(
 def test_a_grid_parsed_by_an_earlier_process_is_loaded_from_disk(
     reads: list[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    import pandapower  # type: ignore[import-untyped]
+    import pandapower
     from grid2op.Agent import DoNothingAgent
 
     from asyncrunner._engine._envs import _Cached

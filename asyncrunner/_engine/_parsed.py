@@ -99,15 +99,17 @@ def _grid_from_disk(key: tuple[Any, ...]) -> Any:
 
 def _grid_to_disk(key: tuple[Any, ...], grid: Any) -> None:
     path, versions = _grid_file(key)
+    tmp = None
     try:
         os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".part")
         with os.fdopen(fd, "wb") as f:
             pickle.dump((key, versions, grid), f, protocol=pickle.HIGHEST_PROTOCOL)
         os.replace(tmp, path)  # whole, or not at all
-    except OSError:  # a read-only or full disk: this process's memory only
-        with contextlib.suppress(OSError, UnboundLocalError):
-            os.unlink(tmp)
+    except Exception:  # a read-only or full disk, a grid pickle cannot write: memory only
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
 
 
 def _memoised(name: str) -> Callable[..., Any]:
