@@ -92,6 +92,19 @@ def test_served_frames_are_copies_and_a_changed_file_is_read_again(
     assert pandas.read_csv is not _parsed._read_csv
 
 
+def _play_the_same(reference: Any, built: list[Any]) -> None:
+    """Episodes on the pristine envs ``built`` (``_Cached``) play the steps of one on a copy of
+    ``reference``, an env built outside the cache."""
+    runs = []
+    for env in [reference.copy(), *(c.episode_env() for c in built)]:
+        env.reset(seed=4, options={"time serie id": 1})
+        runs.append([env.step(env.action_space())[0].to_vect() for _ in range(5)])
+        env.close()
+    for run in runs[1:]:
+        for a, b in zip(run, runs[0], strict=True):
+            np.testing.assert_array_equal(a, b)
+
+
 def test_a_grid_built_again_is_not_parsed_again_and_plays_the_same(
     reads: list[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -109,14 +122,7 @@ def test_a_grid_built_again_is_not_parsed_again_and_plays_the_same(
     built = [_Cached(recipe), _Cached(recipe)]
     try:
         assert len(grids) == 1  # the second build's grid came from memory
-        runs = []
-        for env in [reference.copy(), *(c.episode_env() for c in built)]:
-            env.reset(seed=4, options={"time serie id": 1})
-            runs.append([env.step(env.action_space())[0].to_vect() for _ in range(5)])
-            env.close()
-        for run in runs[1:]:
-            for a, b in zip(run, runs[0], strict=True):
-                np.testing.assert_array_equal(a, b)
+        _play_the_same(reference, built)
     finally:
         for cached in built:
             cached.close()
@@ -152,14 +158,7 @@ def test_a_grid_parsed_by_an_earlier_process_is_loaded_from_disk(
     (key,) = (k for k in _parsed._parsed if k[0] == "pandapower.from_json")
     assert _parsed._grid_from_disk(key) is not None
     try:
-        runs = []
-        for env in [reference.copy(), *(c.episode_env() for c in (first, second, third))]:
-            env.reset(seed=4, options={"time serie id": 1})
-            runs.append([env.step(env.action_space())[0].to_vect() for _ in range(5)])
-            env.close()
-        for run in runs[1:]:
-            for a, b in zip(run, runs[0], strict=True):
-                np.testing.assert_array_equal(a, b)
+        _play_the_same(reference, [first, second, third])
     finally:
         for cached in (first, second, third):
             cached.close()
