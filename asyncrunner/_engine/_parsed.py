@@ -38,7 +38,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from typing import Any
 
-__all__ = ["MAX_BYTES", "ParsedAhead", "parsing_once"]
+__all__ = ["MAX_BYTES", "ParsedAhead", "cache_home", "parsing_once"]
 
 MAX_BYTES = 128 * 1024 * 1024
 
@@ -72,9 +72,15 @@ def _bytes(obj: Any) -> int:
     return int(sum(usage))
 
 
-def _grid_folder() -> str:
+def cache_home() -> str:
+    """asyncrunner's folder in the user's cache: ``$XDG_CACHE_HOME/asyncrunner``, else
+    ``~/.cache/asyncrunner`` (grids here, scores' reference statistics)."""
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "asyncrunner", "grids")
+    return os.path.join(base, "asyncrunner")
+
+
+def _grid_folder() -> str:
+    return os.path.join(cache_home(), "grids")
 
 
 def _grid_file(key: tuple[Any, ...]) -> tuple[str, tuple[str, ...]]:

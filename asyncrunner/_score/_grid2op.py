@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from .._engine._parsed import cache_home
 from .._plan._arguments import check_path_save, chronic_names
 from ..sinks._npz import npz_bytes
 
@@ -48,8 +49,7 @@ class _Reference:
 
 
 def default_cache_dir() -> str:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "asyncrunner", "scores")
+    return os.path.join(cache_home(), "scores")
 
 
 def agent_label(agent: Any) -> str:
