@@ -213,7 +213,7 @@ def _stats_for(
             return None
 
         # grid2op writes each statistic with np.savez_compressed (zlib's level 6): most of the
-        # post-processing's time (1.2 of 1.8 s for a 2023 score's two references). The same
+        # post-processing's time (about 1.1 of 1.8 s for a 2023 score's two references). The same
         # file, the same arrays for np.load, deflated at level 1 by ISA-L (sinks._npz).
         @staticmethod
         def _save_numpy(path: str, array: Any) -> None:
