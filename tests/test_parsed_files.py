@@ -229,3 +229,17 @@ def test_a_helper_stopped_early_or_failing_leaves_nothing_behind(reads: list[str
         assert _reaped(pid) and not Path(stopped._folder).exists()
     finally:
         env.close()
+
+
+def test_the_grids_and_the_scores_share_the_cache_folder_the_readme_names(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from asyncrunner._score._grid2op import default_cache_dir
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert _parsed._grid_folder() == str(tmp_path / "asyncrunner" / "grids")
+    assert default_cache_dir() == str(tmp_path / "asyncrunner" / "scores")
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert _parsed._grid_folder() == str(tmp_path / "home" / ".cache" / "asyncrunner" / "grids")
+    assert default_cache_dir() == str(tmp_path / "home" / ".cache" / "asyncrunner" / "scores")
