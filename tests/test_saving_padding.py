@@ -262,3 +262,34 @@ async def test_batches_whose_arrays_no_sink_reads_leave_rarely_and_every_row_is_
         assert (saved[True] / f"{name}.npz").read_bytes() == (
             saved[False] / f"{name}.npz"
         ).read_bytes()
+
+
+def test_rows_are_filled_as_to_vect_lays_them_out(wheel_env: Any) -> None:
+    """``fill`` (each saved row of observations, actions, the env's actions and attacks) gives
+    exactly ``to_vect``'s floats, through its per-class layout and through its one-by-one path
+    for an object that does not fit it."""
+    from asyncrunner._engine._batch import fill
+
+    env = wheel_env("rte_case14_opponent").copy()
+    try:
+        obs = env.reset(seed=1, options={"time serie id": 0})
+        attack = env._opponent_action_space({"set_line_status": [(3, -1)]})
+        dispatch = env.action_space(
+            {"redispatch": [(0, 1.5)], "set_bus": {"lines_or_id": [(2, 2)]}}
+        )
+        for _ in range(2):  # the layouts made, then used
+            obs, *_ = env.step(dispatch)
+            # the env's action holds injections (loads, generators) in its _dict_inj
+            assert env._env_modification._dict_inj
+            for thing in (obs, dispatch, env._env_modification, attack, env.action_space({})):
+                row = np.full(thing.size(), -1.0, dtype=np.float32)
+                fill(row, thing)
+                assert row.tobytes() == thing.to_vect().astype(np.float32).tobytes()
+        odd = obs.copy()
+        odd.gen_p = odd.gen_p.reshape(-1, 1)  # another shape than its class's layout has
+        odd.year = np.array([odd.year])
+        row = np.full(odd.size(), -1.0, dtype=np.float32)
+        fill(row, odd)
+        assert row.tobytes() == odd.to_vect().astype(np.float32).tobytes()
+    finally:
+        env.close()
