@@ -424,3 +424,24 @@ def test_envs_built_in_this_process_by_a_run(
     assert head(results) == head(
         grid2ops(grid_runner(env, agentClass=DoNothingAgent).run, **kwargs)
     )
+
+
+def test_the_constructor_parses_the_grid_once_per_process(
+    env: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # grid2op's constructor builds an env; ours reads the grid's file parsed by an earlier build
+    # of this process (or from the disk's cache), the same parse of the same bytes.
+    import pandapower
+
+    parsed: list[Any] = []
+    real = pandapower.from_json
+
+    def from_json(*args: Any, **kwargs: Any) -> Any:
+        parsed.append(args)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(pandapower, "from_json", from_json)
+    params = env.get_params_for_runner()
+    for _ in range(2):
+        quiet(compat.Runner, **params, agentClass=DoNothingAgent).close()
+    assert len(parsed) <= 1  # grid2op's own constructor parses it at each build
