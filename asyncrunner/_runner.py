@@ -76,6 +76,13 @@ class AsyncRunner(AsyncResource):
     ``concurrent.futures.Executor``, or a Dask cluster (a ``distributed.Client``, a scheduler
     address or an ``asyncrunner.DaskExecutor``).
     The pool lives as long as the runner: use ``async with`` or ``await runner.aclose()``.
+
+    ``copy_env=True``: forked workers (local, on Linux) start from a copy of ``env`` as it is
+    when the runner opens, instead of an env built from ``env.get_params_for_runner()`` as
+    grid2op's Runner builds one: the first step comes sooner (no grid to load), and each episode
+    still plays a copy of that env. The results equal grid2op's Runner's when ``env`` is as
+    ``grid2op.make`` returned it (``tests/test_parity.py``), not after you stepped, reset,
+    seeded or changed it. Other workers (spawned, an executor, Dask) build their env as usual.
     """
 
     def __init__(
@@ -87,6 +94,7 @@ class AsyncRunner(AsyncResource):
         executor: concurrent.futures.Executor | Any | None = None,
         sinks: Sequence[Sink] = (),
         retries: int = 1,
+        copy_env: bool = False,
     ) -> None:
         if getattr(env, "_BaseEnv__closed", False):
             raise ValueError("the env is closed: pass an open grid2op env (make a new one)")
@@ -116,6 +124,8 @@ class AsyncRunner(AsyncResource):
             )
         if isinstance(retries, bool) or not isinstance(retries, int) or retries < 0:
             raise ValueError(f"`retries` must be an integer >= 0, got {retries!r}")
+        if not isinstance(copy_env, bool):
+            raise TypeError(f"`copy_env` must be True or False, got {copy_env!r}")
         kind, payload = agent_recipe(agent)
         self._agent_name = agent_name(agent)
         # A MultiMixEnvironment: one recipe per mix (each mix is an env of its own for grid2op).
@@ -126,6 +136,8 @@ class AsyncRunner(AsyncResource):
         self._recipes = recipes(sources, agent, kind, payload)
         # The first (or only) recipe: the env the workers build while warming up.
         self._recipe_key, self._recipe_bytes = next(iter(self._recipes.values()))
+        self._first_env = next(iter(sources.values()))  # that recipe's env (copy_env)
+        self.copy_env = copy_env
         self.env = env
         self.workers = workers
         self.executor = executor
@@ -159,12 +171,13 @@ class AsyncRunner(AsyncResource):
     async def _hold(self) -> None:
         """For a pool that forks this process: build the env once here, so that each forked
         worker starts with it instead of building its own (the same recipe and code: the same
-        pristine env)."""
+        pristine env). With ``copy_env``, a copy of the caller's env instead of a build."""
         self._check_open()
         if self._get_pool().forks_this_process and not self._held:
             self._held = True  # before the await: a cancel lands after the hold is done
+            make = self._first_env.copy if self.copy_env else None
             self._held = await anyio.to_thread.run_sync(
-                hold, self._recipe_key, self._recipe_bytes, self._lent_env
+                hold, self._recipe_key, self._recipe_bytes, self._lent_env, make
             )
 
     async def aclose(self) -> None:

@@ -85,7 +85,7 @@ def test_config(report: dict[str, Any]) -> None:
     assert cfg["agent"] == "DoNothingAgent"
     assert (cfg["episodes"], cfg["workers"], cfg["max_iter"], cfg["seed"]) == (2, 2, 10, 0)
     assert cfg["sweep_workers"] == [2]
-    assert cfg["loop"] == "asyncio"
+    assert cfg["loop"] == "asyncio" and cfg["copy_env"] is False
     assert cfg["episode_ids"] == [0, 1]
     for key in ("env_seeds", "agent_seeds"):
         assert len(cfg[key]) == 2 and all(isinstance(s, int) for s in cfg[key])
@@ -208,7 +208,7 @@ def test_table(report: dict[str, Any], capsys: pytest.CaptureFixture[str]) -> No
         assert text in out, text
 
 
-def test_skip_grid2op_no_probe_trio() -> None:
+def test_skip_grid2op_no_probe_trio_copy_env() -> None:
     report = _bench(
         "--episodes",
         "1",
@@ -222,8 +222,10 @@ def test_skip_grid2op_no_probe_trio() -> None:
         "RandomAgent",
         "--loop",
         "trio",
+        "--copy-env",
     )[1]
     assert report["config"]["loop"] == "trio" and report["config"]["agent"] == "RandomAgent"
+    assert report["config"]["copy_env"] is True
     assert report["grid2op"] is None
     assert (
         report["ratios"]["cold_vs_grid2op"] is None and report["ratios"]["warm_vs_grid2op"] is None

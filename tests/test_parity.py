@@ -316,7 +316,10 @@ async def test_parity_matrix(
     kwargs = dict(MATRIX_RUN, episode_id=ids)
     expected = grid2op_reference(env, agent, **kwargs)
     runs = await _three_runs(env, agent, 2, **kwargs)
-    assert [run == expected for run in runs] == [True, True, True], (expected, runs)
+    # The workers started from copies of the env as grid2op.make returned it (copy_env).
+    async with AsyncRunner(env, agent=agent, workers=2, copy_env=True) as runner:
+        runs.append([r.as_tuple() for r in await runner.run(**kwargs)])
+    assert [run == expected for run in runs] == [True, True, True, True], (expected, runs)
 
 
 ARRAY_FILES = [

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import multiprocessing
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from typing import Any
 
 import anyio
@@ -149,6 +149,39 @@ def test_a_lent_pristine_env_is_closed_by_its_last_holder(env: Any) -> None:
     _envs.release(key)
     assert not other._BaseEnv__closed and not _envs.disown(other)  # the lender closes it
     other.close()
+
+
+async def test_copy_env_starts_forked_workers_from_a_copy_of_the_env(
+    env: Any, grid2op_reference: Any
+) -> None:
+    # The session's env is as grid2op.make returned it: copies of it play what grid2op's Runner
+    # plays, with no env built here or in the workers (the fast path); a pool that does not fork
+    # this process builds its env from the env's parameters as usual.
+    started: list[EpisodeStarted] = []
+    sink = CallbackSink(lambda e: started.append(e) if isinstance(e, EpisodeStarted) else None)
+    kwargs: dict[str, Any] = dict(
+        nb_episode=4, max_iter=12, env_seeds=[1, 2, 3, 4], agent_seeds=[5, 6, 7, 8]
+    )
+    expected = grid2op_reference(env, RandomAgent, **kwargs)
+    builds_before = _envs.builds()
+    runner = AsyncRunner(env, agent=RandomAgent, workers=2, sinks=[sink], copy_env=True)
+    async with runner:
+        held = _envs._HELD[runner._recipe_key][0].pristine
+        assert held is not env and not held._BaseEnv__closed
+        results = await runner.run(**kwargs)
+    assert held._BaseEnv__closed and not env._BaseEnv__closed  # the copy freed, not the env
+    assert _envs.builds() == builds_before
+    assert len(started) == 4 and {e.env_builds for e in started} == {0}
+    assert [r.as_tuple() for r in results] == expected
+    with ThreadPoolExecutor(1) as pool:
+        async with AsyncRunner(env, agent=RandomAgent, executor=pool, copy_env=True) as runner:
+            assert [r.as_tuple() for r in await runner.run(**kwargs)] == expected
+    assert _envs.builds() == builds_before + 1
+
+
+def test_copy_env_must_be_a_bool(env: Any) -> None:
+    with pytest.raises(TypeError, match="`copy_env` must be True or False"):
+        AsyncRunner(env, agent=DoNothingAgent, copy_env="yes")  # type: ignore[arg-type]
 
 
 async def test_thermal_limit_reset_option_does_not_leak(env: Any, grid2op_reference: Any) -> None:

@@ -168,6 +168,14 @@ def build_parser() -> Parser:
         ),
     )
     parser.add_argument(
+        "--copy-env",
+        action="store_true",
+        help=(
+            "AsyncRunner(copy_env=True): forked workers start from a copy of the env instead of "
+            "building one (the cold run's first steps come sooner)"
+        ),
+    )
+    parser.add_argument(
         "--skip-grid2op", action="store_true", help="do not run grid2op's Runner (quicker)"
     )
     parser.add_argument(
@@ -248,6 +256,7 @@ def _bench(args: argparse.Namespace) -> dict[str, Any]:
             episode_ids=[i % len(names) for i in range(args.episodes)] if names else None,
             env_seeds=env_seeds,
             agent_seeds=agent_seeds,
+            copy_env=args.copy_env,
         )
         report: dict[str, Any] = dict.fromkeys(KEYS)
         report["version"] = JSON_VERSION
@@ -348,6 +357,7 @@ def _config(args: argparse.Namespace, env: Any, plan: Plan) -> dict[str, Any]:
         "max_iter": plan.max_iter,
         "seed": args.seed,
         "loop": args.loop,
+        "copy_env": plan.copy_env,
         "episode_ids": plan.episode_ids,
         "env_seeds": plan.env_seeds,
         "agent_seeds": plan.agent_seeds,

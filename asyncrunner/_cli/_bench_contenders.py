@@ -50,6 +50,7 @@ class Plan:
     episode_ids: list[int] | None
     env_seeds: list[int]
     agent_seeds: list[int]
+    copy_env: bool = False  # AsyncRunner(copy_env=...)
 
     def kwargs(self) -> dict[str, Any]:
         return {
@@ -263,7 +264,9 @@ async def asyncrunner_runs(
         if lag_pass:
             progress("AsyncRunner: the same runs again, with the 1 ms ticker beside them")
         start = time.perf_counter()
-        async with AsyncRunner(env, agent=agent, workers=plan.workers) as runner:
+        async with AsyncRunner(
+            env, agent=agent, workers=plan.workers, copy_env=plan.copy_env
+        ) as runner:
             await measured("cold", start, runner.run, path_save=os.path.join(tmp, "cold"))
             # Not timed: the same episodes once more, so that every warm run finds each worker
             # with the chronics parsed (a worker parses a chronic the first time it plays it:

@@ -6,7 +6,7 @@ milliseconds; ``null`` where a figure was not measured, e.g. ``grid2op`` under `
 - ``version``: 1, the layout of this object.
 - ``config``: ``env``, ``test``, ``backend`` (the backend class used), ``agent``, ``episodes``,
   ``workers`` (the largest of ``sweep_workers``: the whole bench ran with it),
-  ``sweep_workers`` (the counts ``--workers`` listed), ``max_iter``, ``seed``, ``loop`` (``"asyncio"`` / ``"trio"``), ``episode_ids``,
+  ``sweep_workers`` (the counts ``--workers`` listed), ``max_iter``, ``seed``, ``loop`` (``"asyncio"`` / ``"trio"``), ``copy_env``, ``episode_ids``,
   ``env_seeds``, ``agent_seeds`` (what every contender played), ``cpu_count``, ``versions``
   (``python``, ``grid2op``, ``lightsim2grid``, ``anyio``, ``asyncrunner``: str or null).
 - ``lag_probe``: ``enabled`` (``--lag-probe``, the default), ``tick_ms`` (1.0),
@@ -252,7 +252,7 @@ def print_report(report: dict[str, Any]) -> None:
     print(
         f"asyncrunner bench: {cfg['env']}{' (test)' if cfg['test'] else ''} on {cfg['backend']}, "
         f"{cfg['agent']}, {cfg['episodes']} episodes, N={n}, max_iter={max_iter}, "
-        f"seed {cfg['seed']}, {cfg['loop']}"
+        f"seed {cfg['seed']}, {cfg['loop']}{', copy_env' if cfg['copy_env'] else ''}"
     )
     print(f"{versions}; {cfg['cpu_count']} CPUs")
     print()

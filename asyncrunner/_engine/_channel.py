@@ -108,10 +108,18 @@ def _tcp(address: str) -> tuple[str, int] | None:
 # --- worker side -----------------------------------------------------------------------------
 
 
+class _WorkerConnection(tuple[str, socket.socket]):
+    """``(address, socket)``; the socket closes with it (a thread's, when the thread ends: a
+    ``concurrent.futures`` thread pool's worker)."""
+
+    def __del__(self) -> None:
+        self[1].close()
+
+
 class _Local(threading.local):
     # One connection per thread: a worker playing several episodes at once (one thread each)
     # has one connection per episode, so each gets its own replies.
-    connection: tuple[str, socket.socket] | None = None
+    connection: _WorkerConnection | None = None
 
 
 _local = _Local()
@@ -136,7 +144,7 @@ def connect(address: str, token: str) -> Callable[[Any], None]:
         except OSError as exc:
             sock.close()
             raise ChannelClosed(f"cannot reach the runner at {address}: {exc}") from exc
-        _connection = _local.connection = (address, sock)
+        _connection = _local.connection = _WorkerConnection((address, sock))
     sock = _connection[1]
 
     def send(event: Any) -> None:

@@ -13,6 +13,7 @@ import os
 import pickle
 import threading
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 from ._parsed import parsing_once
@@ -115,7 +116,12 @@ _ENVS_LOCK = threading.RLock()
 _HELD: dict[str, tuple[_Cached, int]] = {}
 
 
-def hold(recipe_key: str, recipe_bytes: bytes, pristine: Any = None) -> bool:
+def hold(
+    recipe_key: str,
+    recipe_bytes: bytes,
+    pristine: Any = None,
+    make: Callable[[], Any] | None = None,
+) -> bool:
     """Build a recipe's pristine env in this process, for the workers forked from it later.
 
     A forked worker then finds it in its cache: the fork copies it (pages shared until written),
@@ -125,7 +131,9 @@ def hold(recipe_key: str, recipe_bytes: bytes, pristine: Any = None) -> bool:
     which report it as they do (returns False: nothing to ``release``). Each ``hold`` that
     returns True is undone by one ``release``. ``pristine``: an env the caller built from this
     recipe's params and never played (compat's, built by grid2op's Runner constructor), held
-    instead of a new build; the caller closes it. Recipes of other agents on the same env
+    instead of a new build; the caller closes it. ``make``: returns the env to hold instead of a
+    build (``AsyncRunner(copy_env=True)``: a copy of the caller's env), closed by the last
+    ``release``; not called when the recipe is held already. Recipes of other agents on the same env
     (``Recipe.env_key``) share one pristine env: a worker plays one call at a time, so two
     episodes never copy it at once.
     """
@@ -150,6 +158,8 @@ def hold(recipe_key: str, recipe_bytes: bytes, pristine: Any = None) -> bool:
                 ),
                 None,
             )
+            if twin is None and make is not None:
+                twin = make()
             cached = _Cached(recipe, twin)
         except Exception:
             return False
