@@ -399,6 +399,14 @@ async def test_same_chronic_twice_gets_two_folders(case14: dict[str, Any], tmp_p
     assert _hidden(tmp_path) == []
 
 
+def test_a_chronics_next_name_comes_without_probing_the_earlier_ones(tmp_path: Path) -> None:
+    writer = EpisodeDataWriter(tmp_path)
+    assert [next(writer._names("000")) for _ in range(3)] == ["000", "000_1", "000_2"]
+    assert next(writer._names("000")) == "000_3"  # not "000" again, nor 000_1 and 000_2 first
+    # a chronic named as another's second folder: that name is given once only
+    assert next(writer._names("000_1")) == "000_1_1"
+
+
 # --- cancellation and resume --------------------------------------------------------------------
 
 

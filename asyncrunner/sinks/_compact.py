@@ -71,13 +71,12 @@ class CompactEpisodeWriter(Writer):
             self._remove([tmp_meta, tmp_npz])
 
     def _move_into_place(self, tmp_meta: str, tmp_npz: str, name: str) -> str:
-        k = 0
+        names = self._names(name)  # endless
         while True:
-            candidate = name if k == 0 else f"{name}_{k}"
-            k += 1
+            candidate = next(names)
             meta_path = os.path.join(self.folder, f"{candidate}_metadata.json")
             npz_path = os.path.join(self.folder, f"{candidate}.npz")
-            if not self._reserve_name(candidate) or os.path.lexists(npz_path):
+            if os.path.lexists(npz_path):
                 continue
             if not _place(tmp_meta, meta_path):
                 continue

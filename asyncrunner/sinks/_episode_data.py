@@ -107,12 +107,11 @@ class EpisodeDataWriter(Writer):
         write_file(os.path.join(folder, RECORD_FILE), json_bytes(record))
 
     def _move_into_place(self, folder: str, name: str) -> str:
-        k = 0
+        names = self._names(name)  # endless
         while True:
-            candidate = name if k == 0 else f"{name}_{k}"
-            k += 1
+            candidate = next(names)
             target = os.path.join(self.path, candidate)
-            if not self._reserve_name(candidate) or os.path.lexists(target):
+            if os.path.lexists(target):
                 continue
             try:
                 os.rename(folder, target)  # fails when target is a file or a non-empty folder

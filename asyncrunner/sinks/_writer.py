@@ -12,7 +12,7 @@ import secrets
 import shutil
 import socket
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import anyio
@@ -62,6 +62,7 @@ class Writer(Sink):
         self.paths: dict[int, str] = {}
         self._open: dict[tuple[str, int], EpisodeStarted] = {}  # episode attempts playing
         self._reserved: set[str] = set()
+        self._next_k: dict[str, int] = {}  # per chronic, the suffix its next name starts from
         self._tmp: set[str] = set()
         self._lock = threading.Lock()
 
@@ -170,12 +171,23 @@ class Writer(Sink):
             with _LIVE_LOCK:
                 _LIVE.discard(p)
 
-    def _reserve_name(self, name: str) -> bool:
-        with self._lock:
-            if name in self._reserved:
-                return False
-            self._reserved.add(name)
-            return True
+    def _names(self, name: str) -> Iterator[str]:
+        """``name``, ``name_1``, ``name_2``, ...: the names not reserved yet by this writer, each
+        reserved as it is given (the caller skips one taken on the disk and asks for the next).
+
+        Each chronic's search starts after the last name given for it: the k-th episode of a
+        chronic tries one or two names, not k (300 episodes of two chronics probed about 75 names
+        each).
+        """
+        while True:
+            with self._lock:
+                k = self._next_k.get(name, 0)
+                self._next_k[name] = k + 1
+                candidate = name if k == 0 else f"{name}_{k}"
+                if candidate in self._reserved:  # another chronic's name (a chronic "000_1")
+                    continue
+                self._reserved.add(candidate)
+            yield candidate
 
     def _write_json_once(
         self, folder: str, spaces: Mapping[str, Any], names: Sequence[str]
