@@ -393,3 +393,19 @@ def test_ctrl_c_reports_what_finished_and_the_printed_command_resumes(tmp_path: 
         "0002",
     ]
     assert not [p for p in (tmp_path / "runs").iterdir() if p.name.startswith(".")]
+
+
+def test_run_starts_its_forked_workers_from_copies_of_the_env_it_made(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # The command line makes its env and never plays it: the workers copy it (copy_env) rather
+    # than build one, here or in themselves.
+    from asyncrunner._engine import _envs
+
+    before = _envs.builds()
+    code, out, err, _ = _main(
+        ["run", "--episodes", "2", "--workers", "2", "--max-iter", "3"], capsys
+    )
+    assert code == 0, err
+    assert "2/2 episodes played" in out
+    assert _envs.builds() == before

@@ -92,8 +92,12 @@ class Settings:
                     raise ValueError(str(exc)) from None
                 if workers is None and args.dask_local is not None:
                     workers = args.dask_local
-            # The constructor checks the agent can go to workers; it starts nothing.
-            self.runner = AsyncRunner(self.env, agent=agent, workers=workers, executor=executor)
+            # The constructor checks the agent can go to workers; it starts nothing. The env is
+            # as grid2op.make returned it: forked workers start from copies of it (copy_env),
+            # which play what grid2op's Runner plays, without building one.
+            self.runner = AsyncRunner(
+                self.env, agent=agent, workers=workers, executor=executor, copy_env=True
+            )
         except (ValueError, TypeError) as exc:
             self.env.close()
             raise UsageError(str(exc)) from None
