@@ -431,7 +431,7 @@ def test_the_constructor_parses_the_grid_once_per_process(
 ) -> None:
     # grid2op's constructor builds an env; ours reads the grid's file parsed by an earlier build
     # of this process (or from the disk's cache), the same parse of the same bytes.
-    import pandapower
+    import pandapower  # type: ignore[import-untyped]
 
     parsed: list[Any] = []
     real = pandapower.from_json
