@@ -109,7 +109,7 @@ class Runner(_GridRunner):  # type: ignore[misc]  # grid2op is untyped (Any base
         # runs keep that one (chronic names, spaces) rather than build a second (about 1 s).
         # parsing_once: the grid's and the first chronic's files come parsed from this process's
         # cache (the grid also from the disk's) when a build parsed them before: the same parse
-        # of the same bytes (on l2rpn_case14_sandbox, 1.1 s -> 0.4 s).
+        # of the same bytes (on l2rpn_case14_sandbox, 1.1 s -> 0.2-0.3 s).
         self._ar_capture = True
         try:
             with parsing_once():
