@@ -299,3 +299,24 @@ def test_bad_arguments() -> None:
     )
     assert done.returncode == 2
     assert "NoSuchAgent" in done.stderr
+
+
+def test_the_bare_loop_plays_what_grid2op_plays(wheel_env: Any, grid2op_reference: Any) -> None:
+    # Each episode on its own copy: l2rpn_idf_2023's opponent keeps state across episodes, and
+    # one env reused for all of them played 93 steps of the second episode where grid2op's
+    # Runner plays 300 (the first one ends in a game over).
+    from grid2op.Agent import DoNothingAgent
+
+    from asyncrunner._cli._bench_contenders import Plan, bare_loop
+    from asyncrunner._cli._common import derive_seeds
+
+    env = wheel_env("l2rpn_idf_2023")
+    env_seeds, agent_seeds = derive_seeds(0, 2)
+    assert env_seeds is not None and agent_seeds is not None
+    plan = Plan(2, 1, 300, [0, 1], env_seeds, agent_seeds)
+    _, played = bare_loop(env, DoNothingAgent, plan)
+    expected = grid2op_reference(env, DoNothingAgent, nb_episode=2, **plan.kwargs())
+    assert [(name, steps, repr(reward)) for name, steps, reward in played] == [
+        (name, steps, repr(reward)) for _, name, reward, steps, _ in expected
+    ]
+    assert [steps for _, steps, _ in played] == [123, 300]

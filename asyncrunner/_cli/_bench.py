@@ -3,9 +3,9 @@
 One invocation plays the same episodes (same chronics, env seeds and agent seeds, same
 ``max_iter``) with each contender, one after the other:
 
-1. the bare loop: ``env.reset`` then ``agent.act`` / ``env.step`` in this process, on a copy of the
-   env, nothing saved (timed from each reset to the episode's end): what one worker can do at
-   most;
+1. the bare loop: ``env.reset`` then ``agent.act`` / ``env.step`` in this process, each episode on
+   a fresh copy of the env (as the runners play them), nothing saved (timed from each reset to
+   the episode's end): what one worker can do at most;
 2. grid2op's ``Runner`` with ``nb_process=N`` and ``path_save`` (a temporary folder), timed from
    its construction to the return of ``run``;
 3. ``AsyncRunner`` with ``workers=N`` and ``path_save``: *cold* (timed from the construction of the

@@ -97,31 +97,37 @@ def _new_agent(agent: Any, action_space: Any) -> Any:
 
 
 def bare_loop(env: Any, agent: Any, plan: Plan) -> tuple[Timing, list[tuple[str, int, float]]]:
-    """Every episode in turn in this process, on a copy of the env: reset, then act/step."""
-    env = env.copy()  # the user's env stays as it was, for the recipes of the others
-    try:
-        if plan.max_iter is not None:
-            env.set_max_iter(plan.max_iter)
-        results = []
-        elapsed = 0.0
-        for i in range(plan.nb_episode):
-            options = {} if plan.episode_ids is None else {"time serie id": plan.episode_ids[i]}
-            player = _new_agent(agent, env.action_space)
+    """Every episode in turn in this process, each on its own copy of the env (not timed), as
+    the runners play them: reset, then act/step. One env reused across episodes would not play
+    the same episodes (l2rpn_idf_2023's opponent keeps state from one episode to the next)."""
+    from .._engine._envs import fresh_copy
+
+    results = []
+    elapsed = 0.0
+    for i in range(plan.nb_episode):
+        episode = fresh_copy(env)  # the user's env stays as it was
+        try:
+            options: dict[str, Any] = {}
+            if plan.episode_ids is not None:
+                options["time serie id"] = plan.episode_ids[i]
+            if plan.max_iter is not None:
+                options["max step"] = plan.max_iter
+            player = _new_agent(agent, episode.action_space)
             start = time.perf_counter()
-            obs = env.reset(seed=plan.env_seeds[i], options=options)
+            obs = episode.reset(seed=plan.env_seeds[i], options=options)
             player.seed(plan.agent_seeds[i])
             player.reset(obs)
-            reward, done, steps, cum_reward = float(env.reward_range[0]), False, 0, 0.0
+            reward, done, steps, cum_reward = float(episode.reward_range[0]), False, 0, 0.0
             while not done:
-                obs, reward, done, _info = env.step(player.act(obs, reward, done))
+                obs, reward, done, _info = episode.step(player.act(obs, reward, done))
                 steps += 1
                 cum_reward += reward
             elapsed += time.perf_counter() - start
-            results.append((str(env.chronics_handler.get_name()), steps, float(cum_reward)))
-        timing = Timing(elapsed, plan.nb_episode, sum(r[1] for r in results))
-        return timing, results
-    finally:
-        env.close()
+            results.append((str(episode.chronics_handler.get_name()), steps, float(cum_reward)))
+        finally:
+            episode.close()
+    timing = Timing(elapsed, plan.nb_episode, sum(r[1] for r in results))
+    return timing, results
 
 
 def grid2op_runner(env: Any, agent: Any, plan: Plan) -> tuple[Timing, list[tuple[str, int, float]]]:

@@ -19,7 +19,17 @@ from typing import Any
 from ._parsed import parsing_once
 from ._recipe import Recipe
 
-__all__ = ["builds", "discard", "disown", "exclusive", "get_env", "hold", "release", "warm"]
+__all__ = [
+    "builds",
+    "discard",
+    "disown",
+    "exclusive",
+    "fresh_copy",
+    "get_env",
+    "hold",
+    "release",
+    "warm",
+]
 
 # How many envs one worker keeps (a worker may serve several runners in turn).
 _MAX_ENVS = 2
@@ -74,20 +84,7 @@ class _Cached:
             # Its backend cannot be copied: play the pristine env itself, build another next time.
             env, self.pristine = self.pristine, None
             return env
-        env = self.pristine.copy()
-        # What grid2op's copy shares with the original and an episode changes (checked by
-        # tests/test_parity.py on everything the pristine env holds): the high-resolution
-        # simulation counter (shared on purpose; a fresh env counts from 0), and the initial
-        # state meant to be constant, whose one-element arrays (a single shunt's setpoint, ...)
-        # cannot be made read-only and are written by the episode through the env's and the
-        # forecast env's state after a reset.
-        env._highres_sim_counter._HighResSimCounter__nb_highres_called = 0
-        for part in (env, getattr(env._observation_space, "obs_env", None)):
-            if part is not None and part._cst_prev_state_at_init is not None:
-                initial = part._cst_prev_state_at_init.copy()
-                initial.prevent_modification()
-                part._cst_prev_state_at_init = initial
-        return env
+        return fresh_copy(self.pristine)
 
     def close(self) -> None:
         """Close the pristine env, unless another recipe's entry shares it (``hold``)."""
@@ -102,6 +99,26 @@ class _Cached:
         if kind in ("class", "factory"):
             return agent(env.action_space)
         return copy.copy(agent)
+
+
+def fresh_copy(pristine: Any) -> Any:
+    """A copy of ``pristine`` (an env never played) that shares nothing an episode changes with
+    it: the fresh env grid2op's Runner builds for each episode.
+
+    What grid2op's copy shares with the original and an episode changes (checked by
+    tests/test_parity.py on everything the pristine env holds): the high-resolution simulation
+    counter (shared on purpose; a fresh env counts from 0), and the initial state meant to be
+    constant, whose one-element arrays (a single shunt's setpoint, ...) cannot be made read-only
+    and are written by the episode through the env's and the forecast env's state after a reset.
+    """
+    env = pristine.copy()
+    env._highres_sim_counter._HighResSimCounter__nb_highres_called = 0
+    for part in (env, getattr(env._observation_space, "obs_env", None)):
+        if part is not None and part._cst_prev_state_at_init is not None:
+            initial = part._cst_prev_state_at_init.copy()
+            initial.prevent_modification()
+            part._cst_prev_state_at_init = initial
+    return env
 
 
 _ENVS: dict[str, _Cached] = {}
