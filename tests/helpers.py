@@ -17,6 +17,17 @@ from grid2op.Agent import BaseAgent
 BOTH_LOOPS = pytest.mark.parametrize("anyio_backend", ["asyncio", "trio"])
 
 
+def starts() -> tuple[list[Any], Any]:
+    """``(started, sink)``: a sink that appends each ``EpisodeStarted`` of a run to ``started``."""
+    from asyncrunner import EpisodeStarted
+    from asyncrunner.sinks import CallbackSink
+
+    started: list[EpisodeStarted] = []
+    return started, CallbackSink(
+        lambda e: started.append(e) if isinstance(e, EpisodeStarted) else None
+    )
+
+
 def quiet(fn: Any, *args: Any, **kwargs: Any) -> Any:
     """``fn(*args, **kwargs)`` without the warnings grid2op gives on the way."""
     with warnings.catch_warnings():

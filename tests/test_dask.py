@@ -21,6 +21,8 @@ from grid2op.Agent import BaseAgent, DoNothingAgent, RandomAgent
 from asyncrunner import AsyncRunner, EpisodeFailed, EpisodeStarted, StepBatch
 from asyncrunner.sinks import CallbackSink
 
+from .helpers import starts
+
 distributed = pytest.importorskip("distributed")
 
 pytestmark = [pytest.mark.anyio, pytest.mark.slow]  # Dask clusters and their processes
@@ -86,8 +88,7 @@ async def test_parity_with_local_pool_and_one_env_per_worker(
 ) -> None:
     async with AsyncRunner(env, agent=RandomAgent, workers=2) as runner:
         local = await runner.run(**KWARGS, path_save=tmp_path / "local")
-    started: list[EpisodeStarted] = []
-    sink = CallbackSink(lambda e: started.append(e) if isinstance(e, EpisodeStarted) else None)
+    started, sink = starts()
     async with (
         distributed.Client(cluster.scheduler_address, asynchronous=True) as client,
         AsyncRunner(env, agent=RandomAgent, workers=2, executor=client) as runner,

@@ -11,11 +11,10 @@ import pytest
 from grid2op.Episode import EpisodeData
 from grid2op.Runner import Runner as GridRunner
 
-from asyncrunner import AsyncRunner, EpisodeStarted, compat
-from asyncrunner.sinks import CallbackSink
+from asyncrunner import AsyncRunner, compat
 
 from .conftest import make_env
-from .helpers import SampleAgent, grid2ops, quiet
+from .helpers import SampleAgent, grid2ops, quiet, starts
 
 # l2rpn_neurips_2020_track2 (test data): two mixes, "x1" and "x2.5", two chronics each.
 MIXES = ["x1", "x2.5"]
@@ -45,8 +44,7 @@ def expected(multimix: Any) -> dict[str, tuple[Any, ...]]:
 async def test_one_run_covers_every_mix(
     multimix: Any, expected: dict[str, tuple[Any, ...]], tmp_path: Path
 ) -> None:
-    started: list[EpisodeStarted] = []
-    sink = CallbackSink(lambda e: started.append(e) if isinstance(e, EpisodeStarted) else None)
+    started, sink = starts()
     async with AsyncRunner(multimix, agent=SampleAgent, workers=2) as runner:
         results = await runner.run(
             1, path_save=tmp_path, add_detailed_output=True, sinks=[sink], **KWARGS

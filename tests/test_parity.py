@@ -28,13 +28,12 @@ from grid2op.Reward import FlatReward
 from grid2op.Runner import Runner
 
 import asyncrunner.compat
-from asyncrunner import AsyncRunner, EpisodeResult, EpisodeStarted
+from asyncrunner import AsyncRunner, EpisodeResult
 from asyncrunner._engine._envs import _Cached
 from asyncrunner._engine._recipe import Recipe
-from asyncrunner.sinks import CallbackSink
 
 from .conftest import LightSimBackend, make_env
-from .helpers import SampleAgent, grid2ops
+from .helpers import SampleAgent, grid2ops, starts
 
 pytestmark = pytest.mark.anyio
 
@@ -237,8 +236,7 @@ async def test_a_backend_that_cannot_be_copied_is_rebuilt_for_each_episode() -> 
     expected = _reference(copyable, RandomAgent, **kwargs)
     copyable.close()
     env = make_env(backend=LightSimBackend(can_be_copied=False))
-    started: list[EpisodeStarted] = []
-    sink = CallbackSink(lambda e: started.append(e) if isinstance(e, EpisodeStarted) else None)
+    started, sink = starts()
     async with AsyncRunner(env, agent=RandomAgent, workers=1, sinks=[sink]) as runner:
         results = await runner.run(**kwargs)
     assert [_key(r) for r in results] == expected

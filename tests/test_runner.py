@@ -12,13 +12,12 @@ import pytest
 from grid2op.Agent import BaseAgent, DoNothingAgent, RandomAgent
 from grid2op.Reward import AlarmReward
 
-from asyncrunner import AsyncRunner, EpisodeFinished, EpisodeStarted, StepBatch
+from asyncrunner import AsyncRunner, EpisodeFinished, StepBatch
 from asyncrunner._engine import _envs
 from asyncrunner._pools._fork import ForkPool
 from asyncrunner._runner import sharing_workers
-from asyncrunner.sinks import CallbackSink
 
-from .helpers import BOTH_LOOPS
+from .helpers import BOTH_LOOPS, starts
 
 pytestmark = pytest.mark.anyio
 
@@ -63,8 +62,7 @@ async def test_parity_with_grid2op_runner(
 
 
 async def test_env_built_once_per_worker_and_reused(env: Any, grid2op_reference: Any) -> None:
-    started: list[EpisodeStarted] = []
-    sink = CallbackSink(lambda e: started.append(e) if isinstance(e, EpisodeStarted) else None)
+    started, sink = starts()
     kwargs: dict[str, Any] = dict(
         nb_episode=6,
         max_iter=8,
@@ -91,8 +89,7 @@ async def test_env_built_once_per_worker_and_reused(env: Any, grid2op_reference:
 async def test_runners_sharing_workers_interleave_on_one_warm_pool(
     env: Any, grid2op_reference: Any
 ) -> None:
-    started: list[EpisodeStarted] = []
-    sink = CallbackSink(lambda e: started.append(e) if isinstance(e, EpisodeStarted) else None)
+    started, sink = starts()
     kwargs: dict[str, Any] = dict(
         nb_episode=4, max_iter=10, env_seeds=[1, 2, 3, 4], agent_seeds=[5, 6, 7, 8]
     )
@@ -157,8 +154,7 @@ async def test_copy_env_starts_forked_workers_from_a_copy_of_the_env(
     # The session's env is as grid2op.make returned it: copies of it play what grid2op's Runner
     # plays, with no env built here or in the workers (the fast path); a pool that does not fork
     # this process builds its env from the env's parameters as usual.
-    started: list[EpisodeStarted] = []
-    sink = CallbackSink(lambda e: started.append(e) if isinstance(e, EpisodeStarted) else None)
+    started, sink = starts()
     kwargs: dict[str, Any] = dict(
         nb_episode=4, max_iter=12, env_seeds=[1, 2, 3, 4], agent_seeds=[5, 6, 7, 8]
     )
@@ -219,8 +215,7 @@ async def test_spawn_start_method_with_an_executor(env: Any, grid2op_reference: 
         nb_episode=3, max_iter=10, env_seeds=[1, 2, 3], agent_seeds=[4, 5, 6], episode_id=[0, 1, 2]
     )
     context = multiprocessing.get_context("spawn")
-    started: list[EpisodeStarted] = []
-    sink = CallbackSink(lambda e: started.append(e) if isinstance(e, EpisodeStarted) else None)
+    started, sink = starts()
     with ProcessPoolExecutor(max_workers=2, mp_context=context) as executor:
         async with AsyncRunner(
             env, agent=RandomAgent, workers=2, executor=executor, sinks=[sink]
