@@ -399,10 +399,23 @@ async def test_same_chronic_twice_gets_two_folders(case14: dict[str, Any], tmp_p
     assert _hidden(tmp_path) == []
 
 
+class _CountedSet(set[str]):
+    """A set that counts the lookups made in it."""
+
+    lookups = 0
+
+    def __contains__(self, item: object) -> bool:
+        self.lookups += 1
+        return super().__contains__(item)
+
+
 def test_a_chronics_next_name_comes_without_probing_the_earlier_ones(tmp_path: Path) -> None:
     writer = EpisodeDataWriter(tmp_path)
+    writer._reserved = reserved = _CountedSet()
     assert [next(writer._names("000")) for _ in range(3)] == ["000", "000_1", "000_2"]
-    assert next(writer._names("000")) == "000_3"  # not "000" again, nor 000_1 and 000_2 first
+    reserved.lookups = 0
+    assert next(writer._names("000")) == "000_3"
+    assert reserved.lookups == 1  # 000, 000_1 and 000_2 are not tried again (k names for the k-th)
     # a chronic named as another's second folder: that name is given once only
     assert next(writer._names("000_1")) == "000_1_1"
 
