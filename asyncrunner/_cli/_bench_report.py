@@ -6,8 +6,9 @@ milliseconds; ``null`` where a figure was not measured, e.g. ``grid2op`` under `
 - ``version``: 1, the layout of this object.
 - ``config``: ``env``, ``test``, ``backend`` (the backend class used), ``agent``, ``episodes``,
   ``workers`` (the largest of ``sweep_workers``: the whole bench ran with it),
-  ``sweep_workers`` (the counts ``--workers`` listed), ``max_iter``, ``seed``, ``loop`` (``"asyncio"`` / ``"trio"``), ``copy_env``, ``episode_ids``,
-  ``env_seeds``, ``agent_seeds`` (what every contender played), ``cpu_count``, ``versions``
+  ``sweep_workers`` (the counts ``--workers`` listed), ``max_iter``, ``seed``, ``loop``
+  (``"asyncio"`` / ``"trio"``), ``copy_env`` (``--copy-env``), ``episode_ids``, ``env_seeds``,
+  ``agent_seeds`` (what every contender played), ``cpu_count``, ``versions``
   (``python``, ``grid2op``, ``lightsim2grid``, ``anyio``, ``asyncrunner``: str or null).
 - ``lag_probe``: ``enabled`` (``--lag-probe``, the default), ``tick_ms`` (1.0),
   ``cpu_us_per_wakeup`` (CPU this process spends per wake-up of the ticker, measured for 0.5 s
