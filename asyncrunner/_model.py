@@ -25,6 +25,7 @@ __all__ = [
     "Event",
     "RunFinished",
     "RunStarted",
+    "Staged",
     "StepBatch",
 ]
 
@@ -120,12 +121,21 @@ class StepBatch:
 
 
 @dataclass(frozen=True)
+class Staged:
+    """An episode's files, written and flushed to the disk by its worker in ``folder``: a
+    hidden folder inside the writer's own (``Writer.stage``), which the writer only moves into
+    place."""
+
+    folder: str
+
+
+@dataclass(frozen=True)
 class EpisodeFinished:
     """An episode ended (game over or end of its chronic); ``times`` as grid2op's ``episode_times.json``.
 
     ``files``: the episode's saved files, built by the worker for the run's episode writers, by
-    format (``Sink.episode_format``), then by file name; empty for every other sink and in
-    ``stream()``.
+    format (``Sink.episode_format``): by file name, or ``Staged`` when the worker wrote them
+    itself; empty for every other sink and in ``stream()``.
     """
 
     run_id: str
@@ -140,7 +150,7 @@ class EpisodeFinished:
     agent_seed: int | None
     nb_highres_sim: int
     times: Mapping[str, Any] = field(repr=False)
-    files: Mapping[str, Mapping[str, bytes]] = field(default_factory=dict, repr=False)
+    files: Mapping[str, Mapping[str, bytes] | Staged] = field(default_factory=dict, repr=False)
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,7 @@ from asyncrunner._model import (
     EpisodeStarted,
     Event,
     RunStarted,
+    Staged,
     StepBatch,
 )
 from asyncrunner.sinks import CallbackSink, CompactEpisodeWriter, EpisodeDataWriter
@@ -246,18 +247,53 @@ async def test_case14_saves_what_grid2op_saves(case14: dict[str, Any], tmp_path:
     await _check_replays(capture.events, tmp_path)
 
 
+class _Placing(EpisodeDataWriter):
+    """Records how each episode's files came: written by its worker (``Staged``), or sent."""
+
+    def __init__(self, path: Path, stage_gone: bool) -> None:
+        super().__init__(path)
+        self.stage_gone = stage_gone
+        self.came: list[str] = []
+
+    def stage(self) -> str:
+        stage = super().stage()
+        if self.stage_gone:  # e.g. removed by hand: the workers cannot write there
+            os.rmdir(stage)
+        return stage
+
+    def _write_episode(self, started: EpisodeStarted, files: Mapping[str, bytes] | Staged) -> str:
+        self.came.append("staged" if isinstance(files, Staged) else "sent")
+        return super()._write_episode(started, files)
+
+
+@pytest.mark.parametrize("stage_gone", [False, True], ids=["staged", "stage gone"])
+async def test_workers_write_the_files_and_send_them_when_they_cannot(
+    case14: dict[str, Any], tmp_path: Path, stage_gone: bool
+) -> None:
+    writer = _Placing(tmp_path / "full", stage_gone)
+    async with AsyncRunner(case14["env"], agent=RandomAgent, workers=2) as runner:
+        results = await runner.run(**CASE14, sinks=[writer])
+    assert writer.came == ["sent" if stage_gone else "staged"] * len(results)
+    assert [r.as_tuple() for r in results] == [tuple(res[:5]) for res in case14["res"]]
+    _assert_same_episode_data(case14["path"], tmp_path / "full", case14["res"])
+    assert _hidden(tmp_path) == []
+
+
 def _with_files(events: list[Event]) -> list[Event]:
     """The recorded events, each ``EpisodeFinished`` with the files its worker built (which only
     the writers of the run saw), built again from the recorded steps."""
     buffers: dict[int, EpisodeBuffer] = {}
     out: list[Event] = []
+    agent = None
     for event in events:
-        if isinstance(event, EpisodeStarted):
+        if isinstance(event, RunStarted):
+            agent = event.agent
+        elif isinstance(event, EpisodeStarted):
             buffers[event.index] = EpisodeBuffer(event)
         elif isinstance(event, StepBatch):
             buffers[event.index].add(event)
         elif isinstance(event, EpisodeFinished):
-            files = {"episode_data": episode_data_files(buffers[event.index], event)}
+            files = {"episode_data": episode_data_files(buffers[event.index], event, agent)}
             event = dataclasses.replace(event, files=files)
         out.append(event)
     return out
@@ -313,7 +349,7 @@ async def _check_replays(events: list[Event], tmp_path: Path) -> None:
         if isinstance(event, StepBatch):
             buffer.add(event)
     await writer.send(unknown)
-    files = {"episode_data": episode_data_files(buffer, finished)}
+    files = {"episode_data": episode_data_files(buffer, finished, run_started.agent)}
     await writer.send(dataclasses.replace(finished, files=files))
     await writer.aclose()
     steps = finished.nb_time_step
@@ -431,17 +467,11 @@ class _CancelWhileWriting(EpisodeDataWriter):
         self.scope = scope
         self.written: list[str] = []
 
-    def _write_files(
-        self,
-        folder: str,
-        started: EpisodeStarted,
-        finished: EpisodeFinished,
-        files: Mapping[str, bytes],
-    ) -> None:
-        super()._write_files(folder, started, finished, files)
+    def _place(self, started: EpisodeStarted, folder: str) -> str:
         if not self.written:
             anyio.from_thread.run_sync(self.scope.cancel)
         self.written.append(started.name)
+        return super()._place(started, folder)
 
 
 @BOTH_LOOPS

@@ -13,6 +13,7 @@ import textwrap
 import time
 import warnings
 from collections.abc import AsyncIterator, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -152,8 +153,7 @@ from asyncrunner.sinks import EpisodeDataWriter
 
 
 class Stuck(EpisodeDataWriter):
-    def _write_files(self, folder, started, finished, files):
-        super()._write_files(folder, started, finished, files)
+    def _place(self, started, folder):
         open(sys.argv[2], "w").close()  # tell the test
         time.sleep(600)  # killed here: the episode's temporary folder stays behind
 
@@ -364,54 +364,62 @@ async def test_a_failing_sink_reports_the_finished_episodes(
 # --- 11. durability --------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("staged", [True, False], ids=["written by the worker", "sent"])
 async def test_files_and_folders_are_synced_around_the_rename(
-    runner: AsyncRunner, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    case14: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, staged: bool
 ) -> None:
-    log: list[tuple[str, str]] = []
+    """With workers on this machine, one writer of a format has the workers write its files in
+    its stage; with two, the files are sent and each writer writes them. Either way each file is
+    flushed before the rename that publishes it, and the folder after. (The workers are threads
+    here, so that this process sees their fsync calls.)"""
+    log: list[tuple[str, str, str]] = []
     fsync, rename, link = os.fsync, os.rename, os.link
 
     def logged_fsync(fd: int) -> None:
-        log.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        log.append(("fsync", os.readlink(f"/proc/self/fd/{fd}"), ""))
         fsync(fd)
 
     def logged_rename(src: Any, dst: Any) -> None:
         rename(src, dst)
-        log.append(("rename", os.fspath(dst)))
+        log.append(("rename", os.fspath(dst), os.fspath(src)))
 
     def logged_link(src: Any, dst: Any) -> None:
         link(src, dst)
-        log.append(("rename", os.fspath(dst)))
+        log.append(("rename", os.fspath(dst), os.fspath(src)))
 
-    monkeypatch.setattr(os, "fsync", logged_fsync)
-    monkeypatch.setattr(os, "rename", logged_rename)
-    monkeypatch.setattr(os, "link", logged_link)
     data, compact = tmp_path / "data", tmp_path / "compact"
     writers = [EpisodeDataWriter(data), CompactEpisodeWriter(compact)]
-    with anyio.fail_after(TIMEOUT):
-        (result,) = await runner.run(1, max_iter=3, sinks=writers)
-    monkeypatch.undo()
-    synced = [path for what, path in log if what == "fsync"]
-    published = [path for what, path in log if what == "rename"]
+    if not staged:
+        writers += [EpisodeDataWriter(tmp_path / "data2"), CompactEpisodeWriter(tmp_path / "c2")]
+    with ThreadPoolExecutor(1) as pool:
+        async with AsyncRunner(case14, agent=DoNothingAgent, executor=pool) as runner:
+            monkeypatch.setattr(os, "fsync", logged_fsync)
+            monkeypatch.setattr(os, "rename", logged_rename)
+            monkeypatch.setattr(os, "link", logged_link)
+            with anyio.fail_after(TIMEOUT):
+                (result,) = await runner.run(1, max_iter=3, sinks=writers)
+            monkeypatch.undo()
 
-    def before(path: str, event: tuple[str, str]) -> bool:
-        return ("fsync", path) in log[: log.index(event)]
+    def rename_to(target: str) -> tuple[int, str]:
+        (index,) = [i for i, (what, dst, _) in enumerate(log) if what == "rename" and dst == target]
+        return index, log[index][2]
 
     # EpisodeData: each file and the folder synced before the folder's rename, its parent after.
     folder = str(data / (result.name or ""))
-    assert published.count(folder) == 1
-    renamed = ("rename", folder)
+    renamed, tmp_folder = rename_to(folder)
+    assert TMP_PREFIX in tmp_folder
+    assert (os.path.basename(tmp_folder) == "episode") is not staged  # sent: nested in a tmp
     files = os.listdir(folder)
     assert len(files) >= 12
-    tmp_folder = next(p for p in synced if TMP_PREFIX in p and p.endswith("/episode"))
-    assert before(tmp_folder, renamed)
-    for name in files:
-        assert before(os.path.join(tmp_folder, name), renamed), name
-    assert ("fsync", str(data)) in log[log.index(renamed) :]
+    before = [p for what, p, _ in log[:renamed] if what == "fsync"]
+    for path in [tmp_folder, *(os.path.join(tmp_folder, name) for name in files)]:
+        assert path in before, path
+    assert ("fsync", str(data), "") in log[renamed:]
     # CompactEpisodeData: both files synced under their temporary names, their folder after.
     npz = str(compact / "CompactEpisodeData" / f"{result.name}.npz")
-    moved = ("rename", npz)
-    parts = [p for p in synced[: log.index(moved)] if p.endswith(".part")]
-    assert any(p.endswith(".json.part") for p in parts) and any(
-        p.endswith(".npz.part") for p in parts
-    )
-    assert ("fsync", str(compact / "CompactEpisodeData")) in log[log.index(moved) :]
+    moved, tmp_npz = rename_to(npz)
+    _, tmp_meta = rename_to(str(compact / "CompactEpisodeData" / f"{result.name}_metadata.json"))
+    assert TMP_PREFIX in tmp_npz
+    before = [p for what, p, _ in log[:moved] if what == "fsync"]
+    assert tmp_npz in before and tmp_meta in before
+    assert ("fsync", str(compact / "CompactEpisodeData"), "") in log[moved:]

@@ -464,8 +464,8 @@ def test_compact_files_are_placed_without_replacing_any(
     first, second, target = tmp_path / "a.tmp", tmp_path / "b.tmp", tmp_path / "ep.npz"
     first.write_text("first")
     second.write_text("second")
-    assert _compact._place(str(first), str(target)) is True
-    assert _compact._place(str(second), str(target)) is False  # taken: never replaced
+    assert _compact._move_unless_taken(str(first), str(target)) is True
+    assert _compact._move_unless_taken(str(second), str(target)) is False  # taken: never replaced
     assert target.read_text() == "first" and not first.exists()
 
 
@@ -473,4 +473,4 @@ def test_compact_placing_raises_other_errors(tmp_path: Path) -> None:
     from asyncrunner.sinks import _compact
 
     with pytest.raises(FileNotFoundError):
-        _compact._place(str(tmp_path / "missing.tmp"), str(tmp_path / "ep.npz"))
+        _compact._move_unless_taken(str(tmp_path / "missing.tmp"), str(tmp_path / "ep.npz"))

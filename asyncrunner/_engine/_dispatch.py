@@ -31,6 +31,7 @@ from .._model import (
     StepBatch,
 )
 from ..sinks._base import Sink
+from ..sinks._writer import Writer
 from ._central import CentralAgent, serving
 from ._channel import Channel, open_channel
 from ._pool import WorkerDied, WorkerPool
@@ -97,6 +98,7 @@ class Run:
         self._watchdogs: dict[tuple[int, int], anyio.CancelScope] = {}
         self._remaining = len(self.requests)
         self._agent: Any = None  # the CentralAgent's server during execute, if any
+        self._stages: dict[str, str] = {}  # where the workers write the files, by format
 
     async def execute(
         self, out: MemoryObjectSendStream[Event] | None = None
@@ -121,6 +123,7 @@ class Run:
                     if out is not None:
                         targets.append((out.send, False))
                     emit = _fan_out(targets)
+                    self._stages = await self._make_stages()
                     agent, spaces = self.settings.agent, self.settings.spaces
                     await emit(RunStarted(self.run_id, len(self.requests), spaces, agent))
                     await self._dispatch_and_collect(channel, emit)
@@ -141,6 +144,21 @@ class Run:
         if self.failure is not None and self.on_error == "raise":
             raise EpisodeError(self.failure, [r for r in results if r.error is None])
         return results
+
+    async def _make_stages(self) -> dict[str, str]:
+        """Where the workers write each format's files themselves (``Writer.stage``): when they
+        run on this machine (the channel is a Unix socket) and one writer saves that format."""
+        stages: dict[str, str] = {}
+        if self.pool.listen is not None:
+            return stages  # workers elsewhere: the files travel with EpisodeFinished
+        for fmt in self.settings.files:
+            writers = [s for s in self.sinks if s.episode_format == fmt]
+            if len(writers) == 1 and isinstance(writers[0], Writer):
+                try:
+                    stages[fmt] = await anyio.to_thread.run_sync(writers[0].stage)
+                except OSError:
+                    pass  # the writer writes the files, and says why it cannot
+        return stages
 
     def _env_of(self, index: int) -> Any:
         return self.settings.env_for(self._by_index[index].mix)
@@ -263,6 +281,8 @@ class Run:
             reset_options=request.reset_options,
             detail=self.detail,
             files=self.settings.files,
+            stages=self._stages,
+            agent=self.settings.agent,
             mix=request.mix,
         )
 

@@ -10,7 +10,7 @@ import inspect
 import io
 import pickle
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import cloudpickle
@@ -58,6 +58,8 @@ class EpisodeJob:
     reset_options: dict[str, Any] | None
     detail: bool
     files: tuple[str, ...] = ()  # the episode file formats to build (``sinks._files``)
+    stages: Mapping[str, str] = field(default_factory=dict)  # where to write them, by format
+    agent: str | None = None  # the run's agent, recorded with the saved episodes
     mix: str | None = None
 
 

@@ -4,8 +4,8 @@ Functions here are called in a worker (one of ``_pools``) with picklable argumen
 Each episode plays a copy of its recipe's pristine env (``_envs``), the fresh env grid2op's
 Runner builds for every episode, so results match grid2op's Runner bit for bit. Steps go back in
 batches (``_batch``) over the run's channel (``_channel``), not as return values; when the run
-saves episodes, their files are built here at the end (``sinks._files``) and sent with
-``EpisodeFinished``.
+saves episodes, their files are built here at the end (``sinks._files``), written here too when
+this machine is the orchestrator's, and sent (or where they are) with ``EpisodeFinished``.
 When the agent lives in the orchestrator (``CentralAgent``), ``_RemoteAgent`` stands in for it:
 it sends each observation over the same channel and plays the action that comes back.
 """
@@ -219,7 +219,8 @@ def _play_on(job: EpisodeJob, env: Any, cached: _Cached, send: Any) -> int:
     batch.flush()
     finished = _finished(job, env, cum_reward, time_step, max_ts, time_act, end_ - beg_)
     if keep is not None:
-        finished = dataclasses.replace(finished, files=episode_files(keep, finished, job.files))
+        files = episode_files(keep, finished, job.files, job.agent, job.stages)
+        finished = dataclasses.replace(finished, files=files)
     send(finished)
     return time_step
 

@@ -13,7 +13,7 @@ from .._model import EpisodeFinished, EpisodeStarted
 from .._plan._layout import SPACE_FILES, sync
 from ._buffer import EpisodeBuffer
 from ._npz import Padded, npz_bytes
-from ._writer import Writer, json_bytes, write_file
+from ._writer import Writer, json_bytes
 
 __all__ = ["CompactEpisodeWriter", "compact_files"]
 
@@ -35,13 +35,14 @@ class CompactEpisodeWriter(Writer):
     ``game_over_timestep`` is the episode's maximum length, as grid2op records it;
     ``nb_timestep_played`` is the steps played.)
 
-    Both files are written under hidden temporary names, flushed to the disk and moved into
-    place, the ``.npz`` last, so an episode is listed only once complete. Nothing is overwritten: ``<name>`` is the
-    chronic's name unless taken (by an earlier run or the same chronic played earlier in this
-    run), then ``<name>_<k>`` with the smallest free ``k >= 1``.
+    Both files are written in a hidden temporary folder, flushed to the disk and moved into
+    place, the ``.npz`` last, so an episode is listed only once complete. Nothing is
+    overwritten: ``<name>`` is the chronic's name unless taken (by an earlier run or the same
+    chronic played earlier in this run), then ``<name>_<k>`` with the smallest free ``k >= 1``.
 
-    ``paths`` maps each saved episode's request index to its ``.npz`` file. The files' bytes are
-    built by the worker that played the episode (``EpisodeFinished.files``).
+    ``paths`` maps each saved episode's request index to its ``.npz`` file. The files are built
+    (and, on this machine, written) by the worker that played the episode
+    (``EpisodeFinished.files``).
     """
 
     episode_format = "compact"
@@ -54,21 +55,11 @@ class CompactEpisodeWriter(Writer):
     def _write_spaces(self, spaces: Mapping[str, Any]) -> None:
         self._write_json_once(self.folder, spaces, SPACE_FILES)
 
-    def _write_episode(
-        self, started: EpisodeStarted, finished: EpisodeFinished, files: Mapping[str, bytes]
-    ) -> str:
-        os.makedirs(self.folder, exist_ok=True)
-        tmp_meta = self._new_tmp(self.folder, ".json.part")
-        tmp_npz = self._new_tmp(self.folder, ".npz.part")
-        try:
-            write_file(tmp_meta, files["metadata.json"])
-            write_file(tmp_npz, files["episode.npz"])
-            sync([tmp_meta, tmp_npz])
-            target = self._move_into_place(tmp_meta, tmp_npz, started.name)
-            sync([self.folder])  # the renames
-            return target
-        finally:
-            self._remove([tmp_meta, tmp_npz])
+    def _place(self, started: EpisodeStarted, folder: str) -> str:
+        meta, npz = (os.path.join(folder, name) for name in ("metadata.json", "episode.npz"))
+        target = self._move_into_place(meta, npz, started.name)
+        sync([self.folder])  # the renames
+        return target
 
     def _move_into_place(self, tmp_meta: str, tmp_npz: str, name: str) -> str:
         names = self._names(name)  # endless
@@ -78,9 +69,10 @@ class CompactEpisodeWriter(Writer):
             npz_path = os.path.join(self.folder, f"{candidate}.npz")
             if os.path.lexists(npz_path):
                 continue
-            if not _place(tmp_meta, meta_path):
+            if not _move_unless_taken(tmp_meta, meta_path):
                 continue
-            if not _place(tmp_npz, npz_path):  # the .npz last: it makes the episode visible
+            # the .npz last: it makes the episode visible
+            if not _move_unless_taken(tmp_npz, npz_path):
                 os.unlink(meta_path)
                 continue
             return npz_path
@@ -92,8 +84,11 @@ def compact_capacity(started: EpisodeStarted) -> int:
     return duration if 0 < duration < _NO_LIMIT else 0
 
 
-def compact_files(buffer: EpisodeBuffer, finished: EpisodeFinished) -> dict[str, bytes]:
-    """A CompactEpisodeData's ``metadata.json`` and ``episode.npz``."""
+def compact_files(
+    buffer: EpisodeBuffer, finished: EpisodeFinished, agent: str | None
+) -> dict[str, bytes]:
+    """A CompactEpisodeData's ``metadata.json`` and ``episode.npz`` (``agent`` is not recorded
+    in this format)."""
     meta, data = compact_content(buffer, finished)
     return {"metadata.json": json_bytes(meta), "episode.npz": npz_bytes(**data)}
 
@@ -135,7 +130,7 @@ def compact_content(
     return meta, data
 
 
-def _place(tmp: str, target: str) -> bool:
+def _move_unless_taken(tmp: str, target: str) -> bool:
     """Move ``tmp`` to ``target`` unless ``target`` exists (never replacing it)."""
     try:
         os.link(tmp, target)

@@ -7,16 +7,14 @@ built by ``episode_data_files``, in the worker that played the episode (``sinks.
 
 from __future__ import annotations
 
+import hashlib
 import os
 from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 
-from .._model import (
-    EpisodeFinished,
-    EpisodeStarted,
-)
+from .._model import EpisodeFinished, EpisodeStarted
 from .._plan._layout import (
     NAME_TAKEN,
     RECORD_FILE,
@@ -26,7 +24,7 @@ from .._plan._layout import (
 )
 from ._buffer import EpisodeBuffer
 from ._npz import Padded, npz_bytes
-from ._writer import Writer, json_bytes, write_file
+from ._writer import Writer, json_bytes
 
 __all__ = ["EpisodeDataWriter", "episode_data_files"]
 
@@ -51,9 +49,9 @@ class EpisodeDataWriter(Writer):
     does) unless that name is taken, by an earlier run in ``path`` or by the same chronic played
     earlier in this run; it then goes to ``<name>_<k>`` with the smallest free ``k >= 1``.
 
-    ``paths`` maps each saved episode's request index to its folder. The files' bytes are built
-    by the worker that played the episode (``EpisodeFinished.files``); this sink writes and places
-    them, in a thread.
+    ``paths`` maps each saved episode's request index to its folder. The files are built by the
+    worker that played the episode (``EpisodeFinished.files``), which also writes them when it
+    runs on this machine; this sink places them (and writes them, otherwise), in a thread.
     """
 
     episode_format = "episode_data"
@@ -61,50 +59,10 @@ class EpisodeDataWriter(Writer):
     def _write_spaces(self, spaces: Mapping[str, Any]) -> None:
         self._write_json_once(self.path, spaces, SPACE_FILES)
 
-    def _write_episode(
-        self, started: EpisodeStarted, finished: EpisodeFinished, files: Mapping[str, bytes]
-    ) -> str:
-        os.makedirs(self.path, exist_ok=True)
-        parent = self._new_tmp(self.path)
-        try:
-            os.mkdir(parent)
-            # Nested one level down: a complete temporary folder is never a child of ``path``.
-            folder = os.path.join(parent, "episode")
-            os.mkdir(folder)
-            self._write_files(folder, started, finished, files)
-            # The files and their names on the disk before the folder appears complete.
-            sync([*(os.path.join(folder, name) for name in os.listdir(folder)), folder])
-            target = self._move_into_place(folder, started.name)
-            sync([self.path])  # the rename
-            return target
-        finally:
-            self._remove([parent])
-
-    def _write_files(
-        self,
-        folder: str,
-        started: EpisodeStarted,
-        finished: EpisodeFinished,
-        files: Mapping[str, bytes],
-    ) -> None:
-        written = {
-            name: {"size": len(data), "sha256": write_file(os.path.join(folder, name), data)}
-            for name, data in files.items()
-        }
-        record = {
-            "format": RECORD_FORMAT,
-            "episode_id": started.episode_id,
-            "name": started.name,
-            "env_seed": started.env_seed,
-            "agent_seed": started.agent_seed,
-            "max_iter": started.max_iter,
-            "nb_highres_sim": int(finished.nb_highres_sim),
-            "run_id": started.run_id,
-            "index": started.index,
-            "agent": self.agent,
-            "files": written,
-        }
-        write_file(os.path.join(folder, RECORD_FILE), json_bytes(record))
+    def _place(self, started: EpisodeStarted, folder: str) -> str:
+        target = self._move_into_place(folder, started.name)
+        sync([self.path])  # the rename
+        return target
 
     def _move_into_place(self, folder: str, name: str) -> str:
         names = self._names(name)  # endless
@@ -122,8 +80,11 @@ class EpisodeDataWriter(Writer):
             return target
 
 
-def episode_data_files(buffer: EpisodeBuffer, finished: EpisodeFinished) -> dict[str, bytes]:
-    """The files of an episode's ``EpisodeData`` folder (but our record), by name."""
+def episode_data_files(
+    buffer: EpisodeBuffer, finished: EpisodeFinished, agent: str | None
+) -> dict[str, bytes]:
+    """The files of an episode's ``EpisodeData`` folder, by name, our record (``agent``: the
+    run's ``RunStarted.agent``) among them."""
     from grid2op.Space import GRID2OP_CURRENT_VERSION_STR
 
     started = buffer.started
@@ -147,7 +108,7 @@ def episode_data_files(buffer: EpisodeBuffer, finished: EpisodeFinished) -> dict
         legal.rows,
         np.stack((legal.fill, ambiguous.fill)),
     )
-    return {
+    files = {
         "_parameters.json": json_bytes(dict(started.parameters)),
         "episode_meta.json": json_bytes(meta),
         "episode_times.json": json_bytes(finished.times),
@@ -162,3 +123,21 @@ def episode_data_files(buffer: EpisodeBuffer, finished: EpisodeFinished) -> dict
         "legal_ambiguous.npz": npz_bytes(data=legal_ambiguous),
         "grid2op.info": json_bytes({"version": f"{GRID2OP_CURRENT_VERSION_STR}"}),
     }
+    record = {
+        "format": RECORD_FORMAT,
+        "episode_id": started.episode_id,
+        "name": started.name,
+        "env_seed": started.env_seed,
+        "agent_seed": started.agent_seed,
+        "max_iter": started.max_iter,
+        "nb_highres_sim": int(finished.nb_highres_sim),
+        "run_id": started.run_id,
+        "index": started.index,
+        "agent": agent,
+        "files": {
+            name: {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+            for name, data in files.items()
+        },
+    }
+    files[RECORD_FILE] = json_bytes(record)
+    return files

@@ -1,5 +1,6 @@
-"""What both episode writers share: the files the workers built, written off the event loop under
-hidden names that a later run can clean up, each episode moved into place atomically."""
+"""What both episode writers share: the files the workers built, written under hidden names that
+a later run can clean up (by the workers themselves when they run on this machine, else off the
+event loop), each episode moved into place atomically."""
 
 from __future__ import annotations
 
@@ -25,13 +26,14 @@ from .._model import (
     EpisodeStarted,
     Event,
     RunStarted,
+    Staged,
 )
 from .._plan._layout import (
     sync,
 )
 from ._base import Sink
 
-__all__ = ["TMP_PREFIX", "Writer", "json_bytes", "write_file"]
+__all__ = ["TMP_PREFIX", "Writer", "json_bytes", "stage_files", "write_file", "write_files"]
 
 # Work in progress lives under hidden names that grid2op never lists; the name holds the owner
 # (this machine, this process) so that a later run can remove what a killed one left.
@@ -44,10 +46,12 @@ _LIVE_LOCK = threading.Lock()
 
 
 class Writer(Sink):
-    """What both episode writers share: an episode's files written off the loop, atomically.
+    """What both episode writers share: an episode's files placed off the loop, atomically.
 
     The files come built with ``EpisodeFinished.files`` (under ``episode_format``): the workers
-    build them from the steps they play, so the steps themselves are not needed here.
+    build them from the steps they play, so the steps themselves are not needed here. Workers on
+    this machine also write them, in this writer's ``stage``, and send only where (``Staged``):
+    this sink then only moves them into place.
     """
 
     needs_steps = False
@@ -64,6 +68,7 @@ class Writer(Sink):
         self._reserved: set[str] = set()
         self._next_k: dict[str, int] = {}  # per chronic, the suffix its next name starts from
         self._tmp: set[str] = set()
+        self._stage: str | None = None
         self._lock = threading.Lock()
 
     # --- to implement -----------------------------------------------------------------------
@@ -73,10 +78,9 @@ class Writer(Sink):
         """Write the run's space files (in a thread)."""
 
     @abc.abstractmethod
-    def _write_episode(
-        self, started: EpisodeStarted, finished: EpisodeFinished, files: Mapping[str, bytes]
-    ) -> str:
-        """Write one finished episode's ``files`` (in a thread); returns where it is saved."""
+    def _place(self, started: EpisodeStarted, folder: str) -> str:
+        """Move the episode's files, flushed to the disk in ``folder``, into place (in a
+        thread); returns where it is saved."""
 
     @property
     def saved(self) -> Mapping[int, str]:
@@ -108,12 +112,23 @@ class Writer(Sink):
                     "run(sinks=...)"
                 )
             self.paths[event.index] = await anyio.to_thread.run_sync(
-                self._write_episode, started, event, files
+                self._write_episode, started, files
             )
+
+    def stage(self) -> str:
+        """A hidden folder in this writer's, where a run's workers on this machine write each
+        episode's files (``stage_files``). Made before the run's first episode (in a thread),
+        removed by ``aclose`` with whatever is left in it."""
+        if self._stage is None:
+            stage = self._new_tmp(self._work)
+            os.makedirs(stage)
+            self._stage = stage
+        return self._stage
 
     async def aclose(self) -> None:
         """Forget unfinished episodes and remove any work-in-progress left on disk."""
         self._open.clear()
+        self._stage = None
         with self._lock:
             leftovers = sorted(self._tmp)
         if leftovers:
@@ -125,6 +140,21 @@ class Writer(Sink):
         self._remove_stale()
         if spaces:
             self._write_spaces(spaces)
+
+    def _write_episode(self, started: EpisodeStarted, files: Mapping[str, bytes] | Staged) -> str:
+        if isinstance(files, Staged):
+            tmp = folder = files.folder
+        else:
+            os.makedirs(self._work, exist_ok=True)
+            tmp = self._new_tmp(self._work)
+            os.mkdir(tmp)
+            # Nested one level down: a complete temporary folder is never a child of ``path``.
+            folder = os.path.join(tmp, "episode")
+            write_files(folder, files)
+        try:
+            return self._place(started, folder)
+        finally:
+            self._remove([tmp])
 
     def _remove_stale(self) -> None:
         """Remove the work in progress of runs whose process is gone (killed mid-write)."""
@@ -231,11 +261,28 @@ def _space_json(space: Any) -> bytes:
     return hit[1]
 
 
-def write_file(path: str, data: bytes) -> str:
-    """Write ``data`` to ``path`` (``sync`` flushes it to the disk); returns its sha256."""
+def write_file(path: str, data: bytes) -> None:
+    """Write ``data`` to ``path`` (``sync`` flushes it to the disk)."""
     with open(path, "wb") as f:
         f.write(data)
-    return hashlib.sha256(data).hexdigest()
+
+
+def write_files(folder: str, files: Mapping[str, bytes]) -> None:
+    """Make ``folder`` with ``files`` in it, flushed to the disk: contents and names."""
+    os.mkdir(folder)
+    paths = [os.path.join(folder, name) for name in files]
+    for path, data in zip(paths, files.values(), strict=True):
+        write_file(path, data)
+    sync([*paths, folder])
+
+
+def stage_files(stage: str, files: Mapping[str, bytes]) -> Staged:
+    """Write an episode's ``files`` in a new folder of ``stage`` (``Writer.stage``), in the
+    worker that built them: their bytes then never cross to the orchestrator, which only moves
+    them into place (the stage is removed with what is left in it when the run ends)."""
+    folder = os.path.join(stage, secrets.token_hex(8))
+    write_files(folder, files)
+    return Staged(folder)
 
 
 def _alive(pid: int) -> bool:
