@@ -21,7 +21,7 @@ from typing import Any
 
 import anyio
 import pytest
-from grid2op.Agent import BaseAgent, DoNothingAgent
+from grid2op.Agent import BaseAgent, DoNothingAgent, RandomAgent
 from grid2op.Chronics import MultifolderWithCache
 from grid2op.Environment.dispatch import BaseRedispatchSolver, RedispatchResult
 from grid2op.Exceptions import ImpossibleRedispatching
@@ -124,6 +124,16 @@ def test_local_agent_instance_plays_in_workers_as_in_grid2op(
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)
         assert compat_run(params) == by_instance
+
+
+def test_a_random_agent_instance_plays_what_fresh_agents_play(env: Any) -> None:
+    """The README's fast path for an agent costly to build (grid2op's RandomAgent lists every
+    unitary action): an instance, copied for each episode as grid2op copies ``agentInstance``,
+    plays what a fresh agent per episode plays, the episodes seeded."""
+    fresh = grid2op_run({**env.get_params_for_runner(), "agentClass": RandomAgent})
+    assert async_run(env, RandomAgent(env.action_space)) == fresh
+    # the agents' actions count: doing nothing plays otherwise
+    assert fresh != grid2op_run({**env.get_params_for_runner(), "agentClass": DoNothingAgent})
 
 
 def test_lambda_factory_plays_on_the_fork_pool(env: Any, by_class: list[Any]) -> None:
