@@ -33,7 +33,7 @@ from asyncrunner._model import (
 from asyncrunner.sinks import CallbackSink, CompactEpisodeWriter, EpisodeDataWriter
 from asyncrunner.sinks._buffer import EpisodeBuffer
 from asyncrunner.sinks._episode_data import episode_data_files
-from asyncrunner.sinks._writer import TMP_PREFIX
+from asyncrunner.sinks._writer import TMP_PREFIX, stage_files
 
 from .helpers import BOTH_LOOPS
 
@@ -277,6 +277,16 @@ async def test_workers_write_the_files_and_send_them_when_they_cannot(
     assert [r.as_tuple() for r in results] == [tuple(res[:5]) for res in case14["res"]]
     _assert_same_episode_data(case14["path"], tmp_path / "full", case14["res"])
     assert _hidden(tmp_path) == []
+
+
+async def test_a_worker_that_writes_after_the_run_ended_finds_no_stage(tmp_path: Path) -> None:
+    writer = EpisodeDataWriter(tmp_path)
+    stage = await anyio.to_thread.run_sync(writer.stage)
+    staged = stage_files(stage, {"a.json": b"{}"})  # an episode the run never placed
+    await writer.aclose()
+    with pytest.raises(FileNotFoundError):  # a worker of a cancelled run, finishing late
+        stage_files(stage, {"a.json": b"{}"})
+    assert staged.folder.startswith(stage) and _hidden(tmp_path) == []
 
 
 def _with_files(events: list[Event]) -> list[Event]:

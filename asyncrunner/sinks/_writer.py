@@ -190,7 +190,14 @@ class Writer(Sink):
     def _remove(self, paths: Sequence[str]) -> None:
         for p in paths:
             if os.path.isdir(p) and not os.path.islink(p):
-                shutil.rmtree(p, ignore_errors=True)
+                # Renamed first: a worker of a cancelled run still writing in a stage cannot
+                # add to it any more (its next file fails, and it sends the bytes instead).
+                aside = f"{p}-removed"  # still a temporary name of this process's
+                try:
+                    os.rename(p, aside)
+                except OSError:
+                    aside = p
+                shutil.rmtree(aside, ignore_errors=True)
             else:
                 try:
                     os.unlink(p)
