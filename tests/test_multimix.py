@@ -12,6 +12,7 @@ from grid2op.Episode import EpisodeData
 from grid2op.Runner import Runner as GridRunner
 
 from asyncrunner import AsyncRunner, compat
+from asyncrunner.sinks import _writer
 
 from .conftest import make_env
 from .helpers import SampleAgent, grid2ops, quiet, starts
@@ -116,3 +117,27 @@ async def test_bad_multimix_episode_ids_fail_before_any_work(
         await runner.run(len(episode_id), episode_id=episode_id)
     assert runner._pids == set()  # no worker was started
     await runner.aclose()
+
+
+@pytest.mark.anyio
+async def test_each_mixs_episodes_are_written_by_the_workers(
+    multimix: Any, expected: dict[str, tuple[Any, ...]], tmp_path: Path, monkeypatch: Any
+) -> None:
+    """One writer per mix (``path_save/<mix>``): the workers write each mix's episodes in its
+    writer's stage, and this process writes none of their files."""
+    written: list[str] = []
+    write_files = _writer.write_files
+
+    def recorded(folder: str, files: Any) -> None:
+        written.append(folder)  # in a forked worker, into that worker's own copy of the list
+        write_files(folder, files)
+
+    monkeypatch.setattr(_writer, "write_files", recorded)
+    async with AsyncRunner(multimix, agent=SampleAgent, workers=2) as runner:
+        results = await runner.run(1, path_save=tmp_path, **KWARGS)
+    assert written == []
+    assert [r.as_tuple() for r in results] == [expected[m] for m in MIXES]
+    for r in results:
+        assert r.mix is not None and r.name is not None
+        assert r.path == str(tmp_path / r.mix / r.name)
+        assert len(quiet(EpisodeData.from_disk, str(tmp_path / r.mix), r.name).actions) == 4

@@ -31,6 +31,7 @@ from .._model import (
     StepBatch,
 )
 from ..sinks._base import Sink
+from ..sinks._mix import OnlyMix
 from ..sinks._writer import Writer
 from ._central import CentralAgent, serving
 from ._channel import Channel, open_channel
@@ -98,7 +99,8 @@ class Run:
         self._watchdogs: dict[tuple[int, int], anyio.CancelScope] = {}
         self._remaining = len(self.requests)
         self._agent: Any = None  # the CentralAgent's server during execute, if any
-        self._stages: dict[str, str] = {}  # where the workers write the files, by format
+        # Where the workers write the files, by format and mix (``_make_stages``).
+        self._stages: dict[tuple[str, str | None], str] = {}
 
     async def execute(
         self, out: MemoryObjectSendStream[Event] | None = None
@@ -145,17 +147,23 @@ class Run:
             raise EpisodeError(self.failure, [r for r in results if r.error is None])
         return results
 
-    async def _make_stages(self) -> dict[str, str]:
-        """Where the workers write each format's files themselves (``Writer.stage``): when they
-        run on this machine (the channel is a Unix socket) and one writer saves that format."""
-        stages: dict[str, str] = {}
+    async def _make_stages(self) -> dict[tuple[str, str | None], str]:
+        """Where the workers write each format's files themselves (``Writer.stage``), by format
+        and mix (``None``: every mix): when they run on this machine (the channel is a Unix
+        socket) and one writer saves that format, or one per mix (``OnlyMix``)."""
+        stages: dict[tuple[str, str | None], str] = {}
         if self.pool.listen is not None:
             return stages  # workers elsewhere: the files travel with EpisodeFinished
         for fmt in self.settings.files:
-            writers = [s for s in self.sinks if s.episode_format == fmt]
-            if len(writers) == 1 and isinstance(writers[0], Writer):
+            writers = [_writer_of(s) for s in self.sinks if s.episode_format == fmt]
+            mixes = [mix for mix, _ in writers]
+            if len(set(mixes)) < len(mixes) or (None in mixes and len(mixes) > 1):
+                continue  # two writers would get one episode's files
+            for mix, writer in writers:
+                if writer is None:
+                    continue  # a sink of its own: that mix's episodes send the bytes
                 try:
-                    stages[fmt] = await anyio.to_thread.run_sync(writers[0].stage)
+                    stages[(fmt, mix)] = await anyio.to_thread.run_sync(writer.stage)
                 except OSError:
                     pass  # the writer writes the files, and says why it cannot
         return stages
@@ -281,7 +289,9 @@ class Run:
             reset_options=request.reset_options,
             detail=self.detail,
             files=self.settings.files,
-            stages=self._stages,
+            stages={
+                f: stage for (f, mix), stage in self._stages.items() if mix in (None, request.mix)
+            },
             agent=self.settings.agent,
             mix=request.mix,
         )
@@ -370,6 +380,14 @@ class Run:
                 steps_lost=True,
             )
         )
+
+
+def _writer_of(sink: Sink) -> tuple[str | None, Writer | None]:
+    """The mix ``sink`` saves (``None``: every mix) and its ``Writer``, if it is one."""
+    mix = None
+    if isinstance(sink, OnlyMix):
+        mix, sink = sink.mix, sink.sink
+    return mix, sink if isinstance(sink, Writer) else None
 
 
 def _fan_out(
