@@ -70,7 +70,7 @@ async def test_closing_while_a_frame_arrives(listen: str | None) -> None:
     import pickle
     import socket
 
-    from asyncrunner._engine._channel import _frame, _tcp
+    from asyncrunner._engine._channel import _tcp, frame
 
     for _ in range(3):
         async with open_channel(listen=listen) as channel:
@@ -78,11 +78,11 @@ async def test_closing_while_a_frame_arrives(listen: str | None) -> None:
             sock = socket.socket(socket.AF_UNIX) if tcp is None else socket.socket()
             with sock:
                 sock.connect(channel.address if tcp is None else tcp)
-                sock.sendall(_frame(channel.token.encode() + b" 1"))
+                sock.sendall(frame(channel.token.encode() + b" 1"))
                 with anyio.fail_after(10):  # the runner read the hello...
                     while 1 not in channel.pids:  # noqa: ASYNC110 - no event for a read
                         await anyio.sleep(0.001)
                 await anyio.wait_all_tasks_blocked()  # ...and now waits for the next frame
-                sock.sendall(_frame(pickle.dumps("event")))
+                sock.sendall(frame(pickle.dumps("event")))
                 # The close below runs in the loop turn that sees the frame.
                 await anyio.lowlevel.checkpoint()

@@ -8,6 +8,7 @@ import time
 from typing import Any
 
 import anyio
+import anyio.to_thread
 import pytest
 from anyio import BrokenWorkerProcess
 
@@ -84,4 +85,35 @@ async def test_a_cancelled_call_kills_its_worker(tmp_path: Any) -> None:
     pid = int(marker.read_text())
     assert not alive(pid)
     assert pool.pids == set()
+    await pool.aclose()
+
+
+def echo_sum(blob: bytes) -> tuple[int, bytes]:
+    return sum(blob[::4096]), blob[::-1]
+
+
+async def test_big_calls_and_replies_cross_whole() -> None:
+    # Several times a socket's buffer each way: sent and read in pieces without blocking.
+    blob = os.urandom(24 << 20)
+    pool = ForkPool(anyio.CapacityLimiter(1))
+    total, back = await pool.call(echo_sum, blob)
+    assert total == sum(blob[::4096]) and back == blob[::-1]
+    await pool.aclose()
+
+
+async def test_a_call_to_a_started_worker_takes_no_thread(monkeypatch: pytest.MonkeyPatch) -> None:
+    pool = ForkPool(anyio.CapacityLimiter(1))
+    await pool.call(pid_plus, 0)  # forks the worker (in a thread)
+    hops: list[Any] = []
+    real = anyio.to_thread.run_sync
+
+    async def counted(fn: Any, *args: Any, **kwargs: Any) -> Any:
+        hops.append(fn)
+        return await real(fn, *args, **kwargs)
+
+    monkeypatch.setattr(anyio.to_thread, "run_sync", counted)
+    for value in range(20):
+        assert (await pool.call(pid_plus, value))[1] == value + 1
+    assert hops == []
+    monkeypatch.undo()
     await pool.aclose()

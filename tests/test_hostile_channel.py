@@ -30,7 +30,7 @@ from grid2op.Agent import BaseAgent, DoNothingAgent
 
 from asyncrunner import AsyncRunner, RunFinished, RunStarted
 from asyncrunner._engine import _channel
-from asyncrunner._engine._channel import _frame, open_channel
+from asyncrunner._engine._channel import frame, open_channel
 
 pytestmark = pytest.mark.anyio
 
@@ -93,11 +93,11 @@ async def test_a_non_ascii_token_closes_that_connection_only(
     async with open_channel() as channel:
         # hmac.compare_digest raises TypeError on str holding non-ASCII characters.
         with stranger(channel.address) as bad:
-            bad.sendall(_frame("clé-privée 1".encode()))
+            bad.sendall(frame("clé-privée 1".encode()))
             await hung_up_on(bad)
         with stranger(channel.address) as worker:
-            worker.sendall(_frame(f"{channel.token} {os.getpid()}".encode()))
-            worker.sendall(_frame(pickle.dumps({"step": 1})))
+            worker.sendall(frame(f"{channel.token} {os.getpid()}".encode()))
+            worker.sendall(frame(pickle.dumps({"step": 1})))
             with anyio.fail_after(5):
                 assert await channel.receive.receive() == {"step": 1}
         assert channel.rejected == 1
@@ -111,12 +111,12 @@ async def test_an_unreadable_frame_closes_that_connection_only(
         # A worker with the token (another version of asyncrunner, say) sends what this
         # process cannot unpickle: its connection is closed, the channel goes on.
         with stranger(channel.address) as broken:
-            broken.sendall(_frame(f"{channel.token} 1".encode()))
-            broken.sendall(_frame(b"\x80\x05not a pickle"))
+            broken.sendall(frame(f"{channel.token} 1".encode()))
+            broken.sendall(frame(b"\x80\x05not a pickle"))
             await hung_up_on(broken)
         with stranger(channel.address) as worker:
-            worker.sendall(_frame(f"{channel.token} 2".encode()))
-            worker.sendall(_frame(pickle.dumps("still listening")))
+            worker.sendall(frame(f"{channel.token} 2".encode()))
+            worker.sendall(frame(pickle.dumps("still listening")))
             with anyio.fail_after(5):
                 assert await channel.receive.receive() == "still listening"
         assert channel.rejected == 1
@@ -133,7 +133,7 @@ async def test_a_stranger_does_not_end_a_run(env: Any, private_tmp: Path) -> Non
                 if isinstance(event, RunStarted):
                     [address] = [p async for p in anyio.Path(private_tmp).glob("*/channel")]
                     with stranger(str(address)) as bad:
-                        bad.sendall(_frame("ünïcode 1".encode()))
+                        bad.sendall(frame("ünïcode 1".encode()))
                 elif isinstance(event, RunFinished):
                     results = event.results
     assert played(results) == played(undisturbed)
@@ -154,8 +154,8 @@ async def test_connections_waiting_for_their_hello_are_bounded() -> None:
             assert all(closed_by_peer(s) for s in idle[:dropped])
             assert not any(closed_by_peer(s) for s in idle[dropped:])
             with stranger(channel.address) as worker:
-                worker.sendall(_frame(f"{channel.token} {os.getpid()}".encode()))
-                worker.sendall(_frame(pickle.dumps("in")))
+                worker.sendall(frame(f"{channel.token} {os.getpid()}".encode()))
+                worker.sendall(frame(pickle.dumps("in")))
                 with anyio.fail_after(5):
                     assert await channel.receive.receive() == "in"
         finally:
@@ -180,8 +180,8 @@ async def test_accept_survives_running_out_of_open_files() -> None:
             try:
                 # accept() fails with EMFILE: the oldest connection without a hello makes room.
                 worker.connect(channel.address)
-                worker.sendall(_frame(f"{channel.token} {os.getpid()}".encode()))
-                worker.sendall(_frame(pickle.dumps("room made")))
+                worker.sendall(frame(f"{channel.token} {os.getpid()}".encode()))
+                worker.sendall(frame(pickle.dumps("room made")))
                 with anyio.fail_after(10):
                     assert await channel.receive.receive() == "room made"
             finally:

@@ -67,11 +67,11 @@ class ScriptedPool(WorkerPool):
 def _hello(sock: socket.socket, job: EpisodeJob) -> None:
     # What a worker says when it connects (see _channel.connect): the run's token and its pid.
     sock.connect(job.address)
-    sock.sendall(_channel._frame(f"{job.token} {os.getpid()}".encode()))
+    sock.sendall(_channel.frame(f"{job.token} {os.getpid()}".encode()))
 
 
 def _send(sock: socket.socket, event: Any) -> None:
-    sock.sendall(_channel._frame(pickle.dumps(event, protocol=5)))
+    sock.sendall(_channel.frame(pickle.dumps(event, protocol=5)))
 
 
 def _started(job: EpisodeJob) -> EpisodeStarted:

@@ -229,20 +229,20 @@ async def test_runner_close_leaves_no_worker_process(
 
 @BOTH_LOOPS
 async def test_channel_rejects_strangers() -> None:
-    from asyncrunner._engine._channel import _frame, open_channel
+    from asyncrunner._engine._channel import frame, open_channel
 
     async with open_channel() as channel:
         # A stranger with a wrong token: closed before anything it sends is unpickled.
         async with await anyio.connect_unix(channel.address) as stream:
-            await stream.send(_frame(b"not-the-token 1"))
-            await stream.send(_frame(b"\x80\x05junk"))
+            await stream.send(frame(b"not-the-token 1"))
+            await stream.send(frame(b"\x80\x05junk"))
             with anyio.fail_after(5), pytest.raises((anyio.EndOfStream, anyio.BrokenResourceError)):
                 await stream.receive()  # the runner hung up on it
         assert channel.rejected == 1
         # A worker with the token gets through.
         async with await anyio.connect_unix(channel.address) as stream:
-            await stream.send(_frame(f"{channel.token} {os.getpid()}".encode()))
-            await stream.send(_frame(pickle.dumps({"hello": "runner"})))
+            await stream.send(frame(f"{channel.token} {os.getpid()}".encode()))
+            await stream.send(frame(pickle.dumps({"hello": "runner"})))
             with anyio.fail_after(5):
                 assert await channel.receive.receive() == {"hello": "runner"}
         assert channel.rejected == 1

@@ -47,7 +47,18 @@ import anyio.abc
 import anyio.to_thread
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-__all__ = ["AgentCall", "Channel", "ChannelClosed", "call", "claim", "connect", "open_channel"]
+__all__ = [
+    "AgentCall",
+    "AsyncSocket",
+    "Channel",
+    "ChannelClosed",
+    "call",
+    "claim",
+    "connect",
+    "frame",
+    "open_channel",
+    "receive_frame",
+]
 
 _HEADER = struct.Struct("!Q")
 # Frames longer than this are read into a buffer of their own, in as few reads as the socket allows.
@@ -68,7 +79,8 @@ class ChannelClosed(Exception):
     """Raised in a worker when the run's channel is gone (the run ended or was cancelled)."""
 
 
-def _frame(payload: bytes) -> bytes:
+def frame(payload: bytes) -> bytes:
+    """``payload`` with its length in front: one frame of a channel or of a forked worker's pipe."""
     return _HEADER.pack(len(payload)) + payload
 
 
@@ -140,7 +152,7 @@ def connect(address: str, token: str) -> Callable[[Any], None]:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         try:
             sock.connect(address if tcp is None else tcp)
-            sock.sendall(_frame(f"{token} {os.getpid()}".encode()))
+            sock.sendall(frame(f"{token} {os.getpid()}".encode()))
         except OSError as exc:
             sock.close()
             raise ChannelClosed(f"cannot reach the runner at {address}: {exc}") from exc
@@ -149,7 +161,7 @@ def connect(address: str, token: str) -> Callable[[Any], None]:
 
     def send(event: Any) -> None:
         try:
-            sock.sendall(_frame(pickle.dumps(event, protocol=5)))
+            sock.sendall(frame(pickle.dumps(event, protocol=5)))
         except OSError as exc:
             _local.connection = None
             sock.close()
@@ -169,7 +181,7 @@ def claim(address: str, token: str, key: str) -> bool:
         assert _local.connection is not None
         sock = _local.connection[1]
         try:
-            sock.sendall(_frame(pickle.dumps(_Claim(key), protocol=5)))
+            sock.sendall(frame(pickle.dumps(_Claim(key), protocol=5)))
             answer = sock.recv(1)
         except OSError as exc:
             answer, error = b"", exc
@@ -182,7 +194,9 @@ def claim(address: str, token: str, key: str) -> bool:
     raise ChannelClosed(f"the runner's channel closed: {error or 'EOF'}")
 
 
-def _receive_frame(sock: socket.socket) -> bytes:
+def receive_frame(sock: socket.socket) -> bytes:
+    """One frame's payload from a blocking socket (``OSError`` when it closes first)."""
+
     def exactly(n: int) -> bytes:
         chunks, left = [], n
         while left:
@@ -203,8 +217,8 @@ def call(address: str, token: str, message: Any) -> Any:
     assert _local.connection is not None
     sock = _local.connection[1]
     try:
-        sock.sendall(_frame(pickle.dumps(message, protocol=5)))
-        payload = _receive_frame(sock)
+        sock.sendall(frame(pickle.dumps(message, protocol=5)))
+        payload = receive_frame(sock)
     except OSError as exc:
         _local.connection = None
         sock.close()
@@ -264,7 +278,7 @@ class Channel:
             try:
                 if sock.family != socket.AF_UNIX:
                     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                conn = _Connection(sock)
+                conn = AsyncSocket(sock)
                 with anyio.fail_after(_HELLO_TIMEOUT):
                     (size,) = _HEADER.unpack(await conn.receive_exactly(_HEADER.size))
                     if size > 200:
@@ -296,12 +310,11 @@ class Channel:
                 )
                 self._reject(f"unreadable frame ({type(exc).__name__}: {exc})")
 
-    async def _events(self, conn: _Connection) -> None:
+    async def _events(self, conn: AsyncSocket) -> None:
         async with self.send.clone() as send:
             with anyio.CancelScope() as scope:
                 while True:
-                    (size,) = _HEADER.unpack(await conn.receive_exactly(_HEADER.size))
-                    event = pickle.loads(await conn.receive_exactly(size))
+                    event = pickle.loads(await conn.receive_frame())
                     if isinstance(event, _Claim):
                         mine = event.key not in self.claims
                         if mine:
@@ -314,7 +327,7 @@ class Channel:
                             )
                         else:
                             reply = await self.agent(event)
-                        await conn.send(_frame(reply))
+                        await conn.send(frame(reply))
                     else:
                         await send.send(event)
 
@@ -349,8 +362,9 @@ class Channel:
             )
 
 
-class _Connection:
-    """One worker's socket, read and written without blocking through ``anyio.wait_readable``.
+class AsyncSocket:
+    """A socket read and written without blocking through ``anyio.wait_readable`` (a worker's
+    connection to the channel; a forked worker's pipe).
 
     anyio's UNIX socket streams are not used: on asyncio, a read cancelled in the loop turn
     where its data arrives is completed by a loop callback anyway, which raises
@@ -377,6 +391,11 @@ class _Connection:
         data = bytes(self.buffer[:n])
         del self.buffer[:n]
         return data
+
+    async def receive_frame(self) -> bytes | bytearray:
+        """The next frame's payload (``frame``)."""
+        (size,) = _HEADER.unpack(await self.receive_exactly(_HEADER.size))
+        return await self.receive_exactly(size)
 
     async def _receive_big(self, n: int) -> bytearray:
         """``n`` bytes read straight into their own buffer (an episode's files: megabytes)."""

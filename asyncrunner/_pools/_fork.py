@@ -2,32 +2,35 @@
 
 A fresh interpreter (what ``anyio.to_process`` starts) spends about 2 s importing grid2op before it
 can build an env; a forked child has it already, as in grid2op's own ``multiprocessing.Pool``. Each
-worker serves one call at a time over a pipe; a call that is cancelled kills its worker (like
-``anyio.to_process.run_sync(cancellable=True)``), and a worker that dies fails its call with
-``BrokenWorkerProcess``.
+worker serves one call at a time over a socket pair (frames of pickled calls and replies); a call
+that is cancelled kills its worker (like ``anyio.to_process.run_sync(cancellable=True)``), and a
+worker that dies fails its call with ``BrokenWorkerProcess``.
 
-Waiting for a worker's reply takes no thread (``anyio.wait_readable`` on its pipe): the threads
-the pool does use (forking, sending a call, reading a reply that has arrived) come from a limiter
-of its own. Waiting in anyio's default thread pool (40 threads, shared with the sinks' file work)
-hung runs of more than 40 workers: the sinks got no thread, the workers' sends filled up, and no
-call ever returned to free one.
+A call is sent and its reply read on the event loop's thread, without blocking
+(``anyio.wait_writable`` / ``wait_readable``): no thread per call (each hop to a thread and back
+cost about 140 µs of CPU, a tenth of the parent's work for a short episode), and none held while a
+worker plays. The threads the pool does use (forking, stopping workers) come from a limiter of its
+own: waiting in anyio's default thread pool (40 threads, shared with the sinks' file work) hung
+runs of more than 40 workers.
 """
 
 from __future__ import annotations
 
 import multiprocessing
 import os
+import pickle
 import signal
+import socket
 import traceback
 import warnings
 from collections.abc import Callable
-from multiprocessing.connection import Connection
 from typing import Any, TypeVar
 
 import anyio
 import anyio.to_thread
 from anyio import BrokenWorkerProcess
 
+from .._engine._channel import AsyncSocket, frame, receive_frame
 from .._engine._pool import STOP_GRACE, WorkerPool
 
 __all__ = ["ForkPool", "available"]
@@ -40,43 +43,43 @@ def available() -> bool:
     return os.uname().sysname == "Linux" if hasattr(os, "uname") else False
 
 
-def _serve(conn: Connection, inherited: list[int]) -> None:
-    """A worker's life: run the calls that come over ``conn`` until it closes."""
+def _serve(sock: socket.socket, inherited: list[int]) -> None:
+    """A worker's life: run the calls that come over ``sock`` until it closes."""
     # Ctrl-C reaches the whole process group: the parent decides (it cancels, which kills us).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.set_wakeup_fd(-1)  # the parent's event loop's, not ours
-    for fd in inherited:  # other workers' pipe ends: holding them would hide the parent's exit
+    for fd in inherited:  # other workers' socket ends: holding them would hide the parent's exit
         try:
             os.close(fd)
         except OSError:
             pass
     while True:
         try:
-            message = conn.recv()
-        except EOFError:
-            return
-        if message is None:
-            return
-        fn, args = message
+            fn, args = pickle.loads(receive_frame(sock))
+        except OSError:
+            return  # the parent closed its end (the pool stops) or is gone
         try:
             reply: tuple[str, Any] = ("ok", fn(*args))
         except BaseException as exc:
             reply = ("error", exc)
         try:
-            conn.send(reply)
-        except OSError:  # the parent is gone (its end of the pipe closed): nobody to tell
-            return
+            data = pickle.dumps(reply, protocol=5)
         except Exception as exc:  # a result or error that cannot be pickled
             text = "".join(traceback.format_exception(reply[1])) if reply[0] == "error" else ""
-            conn.send(("error", RuntimeError(f"the worker's reply cannot be sent ({exc})\n{text}")))
+            error = RuntimeError(f"the worker's reply cannot be sent ({exc})\n{text}")
+            data = pickle.dumps(("error", error), protocol=5)
+        try:
+            sock.sendall(frame(data))
+        except OSError:  # the parent is gone: nobody to tell
+            return
 
 
 class _Worker:
     def __init__(self, inherited: list[int]) -> None:
-        self.conn, child = multiprocessing.Pipe()
+        mine, child = socket.socketpair()
         context = multiprocessing.get_context("fork")
         self.process = context.Process(
-            target=_serve, args=(child, [*inherited, self.conn.fileno()]), daemon=True
+            target=_serve, args=(child, [*inherited, mine.fileno()]), daemon=True
         )
         with warnings.catch_warnings():
             # Python >= 3.12 warns when a multi-threaded process forks: the child only runs
@@ -86,22 +89,23 @@ class _Worker:
             )
             self.process.start()
         child.close()
+        self.conn = AsyncSocket(mine)
         assert self.process.pid is not None  # set by start()
         self.pid = self.process.pid
+
+    def fileno(self) -> int:
+        return self.conn.sock.fileno()
 
     async def call(
         self, fn: Callable[..., Any], args: tuple[Any, ...], threads: anyio.CapacityLimiter
     ) -> Any:
+        data = frame(pickle.dumps((fn, args), protocol=5))
         try:
-            # A big call (an agent instance in the recipe) fills the pipe until the worker has
-            # read it: sent from a thread.
-            await anyio.to_thread.run_sync(self.conn.send, (fn, args), limiter=threads)
-            await anyio.wait_readable(self.conn.fileno())
-            status, value = await anyio.to_thread.run_sync(
-                self.conn.recv, abandon_on_cancel=True, limiter=threads
-            )
+            await self.conn.send(data)
+            status, value = pickle.loads(await self.conn.receive_frame())
         except (EOFError, OSError) as exc:
-            self.process.join(1.0)  # it is ending: its exit code tells how
+            # It is ending: its exit code tells how.
+            await anyio.to_thread.run_sync(self.process.join, 1.0, limiter=threads)
             code = self.process.exitcode
             raise BrokenWorkerProcess(
                 f"worker process {self.pid} ended (exit code {code})"
@@ -111,10 +115,9 @@ class _Worker:
         return value
 
     def kill(self) -> None:
-        # The pipe is left to the garbage collector: a reply's read abandoned on cancellation may
-        # still be reading it in a thread (it sees EOF now), and a closed fd number can be reused.
         self.process.kill()
         self.process.join()
+        self.conn.sock.close()
 
 
 class ForkPool(WorkerPool):
@@ -141,10 +144,10 @@ class ForkPool(WorkerPool):
                 worker = self._idle.pop()
             else:
                 # One fork at a time, each child closing every other worker's parent-side
-                # pipe end. Forking copies this process's page tables (tens of ms for a big
+                # socket end. Forking copies this process's page tables (tens of ms for a big
                 # parent): off the event loop's thread.
                 async with self._forking:
-                    inherited = [w.conn.fileno() for w in (*self._idle, *self._busy)]
+                    inherited = [w.fileno() for w in (*self._idle, *self._busy)]
                     worker = await anyio.to_thread.run_sync(
                         _Worker, inherited, limiter=self._threads
                     )
@@ -164,12 +167,12 @@ class ForkPool(WorkerPool):
             return result
 
     async def stop(self) -> None:
-        """Stop the idle workers: pipe closed (clean exit), killed if still there after a grace."""
+        """Stop the idle workers: socket closed (clean exit), killed if still there after a grace."""
         idle, self._idle = self._idle, []
 
         def stop() -> None:
             for worker in idle:
-                worker.conn.close()
+                worker.conn.sock.close()
             for worker in idle:
                 worker.process.join(STOP_GRACE)
                 if worker.process.exitcode is None:
