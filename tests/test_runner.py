@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import multiprocessing
+import pickle
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from typing import Any
 
@@ -13,7 +14,8 @@ from grid2op.Agent import BaseAgent, DoNothingAgent, RandomAgent
 from grid2op.Reward import AlarmReward
 
 from asyncrunner import AsyncRunner, EpisodeFinished, StepBatch
-from asyncrunner._engine import _envs
+from asyncrunner._engine import _channel, _envs
+from asyncrunner._engine._pool import WorkerPool
 from asyncrunner._pools._fork import ForkPool
 from asyncrunner._runner import sharing_workers
 
@@ -207,6 +209,50 @@ async def test_alarm_reward_state_does_not_leak(wheel_env: Any, grid2op_referenc
     async with AsyncRunner(env, agent=AlarmAgent, workers=1) as runner:
         results = await runner.run(**kwargs)
     assert [r.as_tuple() for r in results] == expected
+
+
+async def test_jobs_carry_a_recipes_key_and_workers_ask_for_the_recipe_once(
+    env: Any, grid2op_reference: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # An agent instance is pickled into the recipe with all it holds (a RandomAgent lists every
+    # unitary action): it must not travel with every episode. Thread workers share this
+    # process's env cache, and each plays its episodes with an agent of its own: the seeded
+    # results are grid2op's.
+    agent = RandomAgent(env.action_space)
+    kwargs: dict[str, Any] = dict(
+        nb_episode=6, max_iter=5, env_seeds=list(range(6)), agent_seeds=list(range(6))
+    )
+    jobs: list[int] = []
+    play = WorkerPool.play
+
+    async def measured(self: WorkerPool, group: Any) -> None:
+        jobs.append(len(pickle.dumps(group)))
+        await play(self, group)
+
+    asked: list[bytes] = []
+    frame = _channel.frame
+
+    def seen(payload: bytes) -> bytes:
+        asked.append(payload)
+        return frame(payload)
+
+    with ThreadPoolExecutor(2) as executor:
+        async with AsyncRunner(env, agent=agent, workers=2, executor=executor) as runner:
+            await runner.run(1, max_iter=1)  # the warm-up is over
+            # Emptied: a worker must ask.
+            recipe = runner._recipe_bytes
+            for key in [k for k in _envs._ENVS if k.startswith(runner._recipe_key)]:
+                _envs._ENVS.pop(key).close()
+            monkeypatch.setattr(WorkerPool, "play", measured)
+            monkeypatch.setattr(_channel, "frame", seen)
+            results = await runner.run(**kwargs)
+            monkeypatch.undo()
+    assert len(recipe) > 1_000_000
+    assert len(jobs) == 6 and max(jobs) < 10_000
+    # Once per entry of the env cache: one per thread playing at the same time, at most (an
+    # episode plays with an agent of its own, as in a process of grid2op's Runner).
+    assert 1 <= asked.count(recipe) <= 2
+    assert [r.as_tuple() for r in results] == grid2op_reference(env, RandomAgent, **kwargs)
 
 
 @pytest.mark.slow  # spawned workers import everything afresh

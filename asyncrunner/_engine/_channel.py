@@ -21,7 +21,9 @@ episode at its next send.
 
 An episode whose agent runs in the orchestrator (``CentralAgent``) sends an ``AgentCall`` (its
 observation) and waits for one reply frame (the action) on the same connection: the connection
-serves one episode at a time, so replies need no matching.
+serves one episode at a time, so replies need no matching. A worker that has no env for a job's
+recipe yet asks for the recipe the same way (``recipe``): jobs carry only its key, so that an
+agent instance (megabytes, pickled) crosses to each worker once, not with every episode.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ import socket
 import struct
 import tempfile
 import threading
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -58,6 +60,7 @@ __all__ = [
     "frame",
     "open_channel",
     "receive_frame",
+    "recipe",
 ]
 
 _HEADER = struct.Struct("!Q")
@@ -108,6 +111,14 @@ class AgentCall:
     done: bool
     agent_seed: int | None
     first: bool
+
+
+@dataclass(frozen=True)
+class _RecipeCall:
+    """Worker → runner: "send me recipe ``key``"; answered with one frame of its pickled bytes
+    (empty: this run has no such recipe)."""
+
+    key: str
 
 
 def _tcp(address: str) -> tuple[str, int] | None:
@@ -211,19 +222,31 @@ def receive_frame(sock: socket.socket) -> bytes:
     return exactly(size)
 
 
-def call(address: str, token: str, message: Any) -> Any:
-    """Send ``message`` to the runner and wait for its one-frame reply (unpickled)."""
+def _ask(address: str, token: str, message: Any) -> bytes:
+    """Send ``message`` to the runner and wait for its one-frame reply."""
     connect(address, token)
     assert _local.connection is not None
     sock = _local.connection[1]
     try:
         sock.sendall(frame(pickle.dumps(message, protocol=5)))
-        payload = receive_frame(sock)
+        return receive_frame(sock)
     except OSError as exc:
         _local.connection = None
         sock.close()
         raise ChannelClosed(f"the runner's channel closed: {exc}") from exc
-    return pickle.loads(payload)
+
+
+def call(address: str, token: str, message: Any) -> Any:
+    """Send ``message`` to the runner and wait for its one-frame reply (unpickled)."""
+    return pickle.loads(_ask(address, token, message))
+
+
+def recipe(address: str, token: str, key: str) -> bytes:
+    """The pickled recipe ``key`` of the run at ``address`` (``EpisodeJob.recipe_key``)."""
+    blob = _ask(address, token, _RecipeCall(key))
+    if not blob:
+        raise RuntimeError(f"the run at {address} has no recipe {key!r}")
+    return blob
 
 
 # --- event loop side -------------------------------------------------------------------------
@@ -246,6 +269,8 @@ class Channel:
     claims: dict[str, anyio.CancelScope] = field(default_factory=dict)
     # Answers AgentCalls (set while a run's agent lives in the orchestrator).
     agent: Callable[[AgentCall], Awaitable[bytes]] | None = None
+    # The run's pickled recipes by key, for the workers that ask (``recipe``).
+    recipes: Mapping[str, bytes] = field(default_factory=dict)
     # Accepted connections waiting for their hello, oldest first.
     _waiting: dict[socket.socket, None] = field(default_factory=dict)
     _first_rejection: str = ""
@@ -328,6 +353,8 @@ class Channel:
                         else:
                             reply = await self.agent(event)
                         await conn.send(frame(reply))
+                    elif isinstance(event, _RecipeCall):
+                        await conn.send(frame(self.recipes.get(event.key, b"")))
                     else:
                         await send.send(event)
 

@@ -112,6 +112,7 @@ class Run:
             serving(self.settings.central, channel, self._env_of) as self._agent,
         ):
             channel.pids = self.pool.served  # the workers say who they are when they connect
+            channel.recipes = dict(self.settings.recipes.values())
             try:
                 async with anyio.create_task_group() as sink_group:
                     for sink in self.sinks:
@@ -272,13 +273,11 @@ class Run:
                 await self._play(group, channel)
 
     def _job(self, request: EpisodeRequest, attempt: int, channel: Channel) -> EpisodeJob:
-        recipe_key, recipe = self.settings.recipes[request.mix]
         return EpisodeJob(
             address=channel.address,
             token=channel.token,
             run_id=self.run_id,
-            recipe_key=recipe_key,
-            recipe=recipe,
+            recipe_key=self.settings.recipes[request.mix][0],
             index=request.index,
             attempt=attempt,
             episode_id=request.episode_id,

@@ -236,25 +236,40 @@ def _after_fork() -> None:
 os.register_at_fork(after_in_child=_after_fork)
 
 
-def get_env(recipe_key: str, recipe_bytes: bytes, slot: int = 0, keep: int = _MAX_ENVS) -> _Cached:
-    """The env of a recipe for episode slot ``slot`` of this worker (built if needed)."""
+def get_env(
+    recipe_key: str, recipe_bytes: Callable[[], bytes], slot: int = 0, keep: int = _MAX_ENVS
+) -> tuple[str, _Cached]:
+    """The env of a recipe for episode slot ``slot`` of this worker (built if needed, from the
+    recipe ``recipe_bytes()`` returns), and its key (for ``discard``).
+
+    An entry is used by one episode at a time: with an episode playing on it in another thread
+    of this process (a ``ThreadPoolExecutor``'s workers), this one gets an entry of its own, with
+    an agent of its own (copies of one agent instance share its random generator, as in
+    grid2op), sharing the pristine env (copied under ``exclusive``)."""
     key = recipe_key if slot == 0 else f"{recipe_key}#{slot}"
     with _ENVS_LOCK:  # builds too: grid2op's class creation is not thread-safe
+        busy = None
+        while key in _IN_USE:
+            busy = busy or _ENVS.get(key)
+            slot += 1
+            key = f"{recipe_key}#{slot}"
         cached = _ENVS.pop(key, None)
         if cached is None:
             idle = [k for k in _ENVS if k not in _IN_USE]
             while len(_ENVS) >= max(keep, _MAX_ENVS) and idle:
                 _ENVS.pop(idle.pop(0)).close()
-            cached = _Cached(pickle.loads(recipe_bytes))
+            pristine = busy.pristine if busy is not None else None
+            if not getattr(getattr(pristine, "backend", None), "_can_be_copied", True):
+                pristine = None  # played itself by the busy entry's episode
+            cached = _Cached(pickle.loads(recipe_bytes()), pristine)
         _ENVS[key] = cached  # most recently used last
         _IN_USE.add(key)  # until the caller discards it
-        return cached
+        return key, cached
 
 
 def warm(recipe_key: str, recipe_bytes: bytes) -> int:
     """Build (or find) the env of a recipe; returns this worker's pid."""
-    get_env(recipe_key, recipe_bytes)
-    _IN_USE.discard(recipe_key)
+    discard(get_env(recipe_key, lambda: recipe_bytes)[0])
     return os.getpid()
 
 

@@ -41,13 +41,13 @@ class Recipe:
 
 @dataclass(frozen=True)
 class EpisodeJob:
-    """One episode to play, as sent to a worker."""
+    """One episode to play, as sent to a worker (which asks the run for the recipe of
+    ``recipe_key`` if it has no env for it yet: ``_channel.recipe``)."""
 
     address: str
     token: str
     run_id: str
     recipe_key: str
-    recipe: bytes
     index: int
     attempt: int
     episode_id: int | str

@@ -122,8 +122,9 @@ def run_episode(job: EpisodeJob, slot: int = 0, slots: int = 1) -> str:
     Exceptions of the agent or the env become an ``EpisodeFailed`` event; a broken channel raises.
     """
     send = _channel.connect(job.address, job.token)
-    cached = get_env(job.recipe_key, job.recipe, slot, slots)
-    key = job.recipe_key if slot == 0 else f"{job.recipe_key}#{slot}"
+    key, cached = get_env(
+        job.recipe_key, lambda: _channel.recipe(job.address, job.token, job.recipe_key), slot, slots
+    )
     step = 0
     try:
         step = _play(job, cached, send)
