@@ -474,3 +474,47 @@ def test_compact_placing_raises_other_errors(tmp_path: Path) -> None:
 
     with pytest.raises(FileNotFoundError):
         _compact._move_unless_taken(str(tmp_path / "missing.tmp"), str(tmp_path / "ep.npz"))
+
+
+@pytest.mark.parametrize("detail", [False, True], ids=["quiet", "detail"])
+async def test_an_episodes_last_steps_leave_with_its_end_in_one_write(
+    monkeypatch: pytest.MonkeyPatch, detail: bool
+) -> None:
+    # Thread workers: the workers' sends are seen here. One write for the last batch and the
+    # end: the orchestrator wakes once for both.
+    from concurrent.futures import ThreadPoolExecutor
+
+    from asyncrunner._engine import _channel
+
+    writes: list[tuple[Any, ...]] = []
+    connect = _channel.connect
+
+    def recording(address: str, token: str) -> Any:
+        send = connect(address, token)
+
+        def recorded(*events: Any) -> None:
+            writes.append(events)
+            send(*events)
+
+        return recorded
+
+    monkeypatch.setattr(_channel, "connect", recording)
+    env = make_env()
+    sinks = [CallbackSink(lambda event: None, needs_steps=True)] if detail else []
+    with ThreadPoolExecutor(1) as executor:
+        async with AsyncRunner(env, agent=DoNothingAgent, workers=1, executor=executor) as runner:
+            results = await runner.run(2, max_iter=150, episode_id=[0, 1], sinks=sinks)
+    env.close()
+    assert [r.nb_time_step for r in results] == [150, 150]
+    ends = [w for w in writes if isinstance(w[-1], EpisodeFinished)]
+    assert [tuple(map(type, w)) for w in ends] == [(StepBatch, EpisodeFinished)] * 2
+    for result in results:
+        batches = [
+            e for w in writes for e in w if isinstance(e, StepBatch) and e.index == result.index
+        ]
+        assert [b.first_step for b in batches] == list(
+            np.cumsum([1] + [len(b) for b in batches[:-1]])
+        )
+        assert sum(len(b) for b in batches) == 150
+        if detail:
+            assert [len(b) for b in batches] == [64, 64, 22]

@@ -198,9 +198,10 @@ class Batcher:
         self.ambiguous[i] = info["is_ambiguous"]
         self.agent_times[i] = agent_time
         self.n += 1
-        # The episode's first batch leaves as soon as ever (a run's first sign of life).
+        # The episode's first batch leaves as soon as ever (a run's first sign of life). The
+        # last one leaves with the episode's end (``take``).
         every = self.every if self.first_step > 1 else _BATCH_SECONDS
-        if self.n == self.capacity or done or time.perf_counter() - self.last_flush > every:
+        if not done and (self.n == self.capacity or time.perf_counter() - self.last_flush > every):
             self.flush()
         elif self.w == _BATCH_STEPS:
             self._keep()
@@ -228,10 +229,12 @@ class Batcher:
             self.keep.add(self._batch(self.n - self.w, self.w))
         self.w = 0
 
-    def flush(self) -> None:
+    def take(self) -> StepBatch | None:
+        """The rows not sent yet as a batch (the buffer keeps its copy now), for the caller to
+        send with what follows: the last rows go with the episode's end, in one write."""
         n = self.n
         if n == 0:
-            return
+            return None
         if self.job.detail:  # the orchestrator reads the arrays: this batch's rows are all wide
             batch = self._batch(0, n)
             if self.keep is not None:
@@ -240,7 +243,12 @@ class Batcher:
         else:
             self._keep()
             batch = self._batch(0, 0)
-        self.send(batch)
         self.first_step += n
         self.n = 0
         self.last_flush = time.perf_counter()
+        return batch
+
+    def flush(self) -> None:
+        batch = self.take()
+        if batch is not None:
+            self.send(batch)

@@ -148,8 +148,9 @@ class _Local(threading.local):
 _local = _Local()
 
 
-def connect(address: str, token: str) -> Callable[[Any], None]:
-    """Return a function sending one event over the run's channel (connecting once per run)."""
+def connect(address: str, token: str) -> Callable[..., None]:
+    """Return a function sending events over the run's channel (connecting once per run); the
+    events of one call leave in one write."""
     _connection = _local.connection
     if _connection is None or _connection[0] != address:
         if _connection is not None:
@@ -170,9 +171,9 @@ def connect(address: str, token: str) -> Callable[[Any], None]:
         _connection = _local.connection = _WorkerConnection((address, sock))
     sock = _connection[1]
 
-    def send(event: Any) -> None:
+    def send(*events: Any) -> None:
         try:
-            sock.sendall(frame(pickle.dumps(event, protocol=5)))
+            sock.sendall(b"".join(frame(pickle.dumps(e, protocol=5)) for e in events))
         except OSError as exc:
             _local.connection = None
             sock.close()

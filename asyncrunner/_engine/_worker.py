@@ -217,12 +217,16 @@ def _play_on(job: EpisodeJob, env: Any, cached: _Cached, send: Any) -> int:
         exc._ar_step = time_step  # type: ignore[attr-defined]  # read by run_episode
         raise
     end_ = time.perf_counter()
-    batch.flush()
+    last = [b for b in [batch.take()] if b is not None]
     finished = _finished(job, env, cum_reward, time_step, max_ts, time_act, end_ - beg_)
     if keep is not None:
-        files = episode_files(keep, finished, job.files, job.agent, job.stages)
+        try:
+            files = episode_files(keep, finished, job.files, job.agent, job.stages)
+        except Exception:
+            send(*last)
+            raise
         finished = dataclasses.replace(finished, files=files)
-    send(finished)
+    send(*last, finished)  # one write: one wake-up of the orchestrator
     return time_step
 
 
