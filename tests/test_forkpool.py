@@ -101,7 +101,9 @@ async def test_big_calls_and_replies_cross_whole() -> None:
     await pool.aclose()
 
 
-async def test_a_call_to_a_started_worker_takes_no_thread(monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_a_small_call_to_a_started_worker_takes_no_thread(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     pool = ForkPool(anyio.CapacityLimiter(1))
     await pool.call(pid_plus, 0)  # forks the worker (in a thread)
     hops: list[Any] = []
@@ -115,5 +117,9 @@ async def test_a_call_to_a_started_worker_takes_no_thread(monkeypatch: pytest.Mo
     for value in range(20):
         assert (await pool.call(pid_plus, value))[1] == value + 1
     assert hops == []
+    # Megabytes of arguments (a warm-up call's pickled agent instance) are framed off the loop.
+    blob = os.urandom(2 << 20)
+    assert (await pool.call(echo_sum, blob))[1] == blob[::-1]
+    assert [fn.__name__ for fn in hops] == ["_call_frame"]
     monkeypatch.undo()
     await pool.aclose()

@@ -230,11 +230,11 @@ async def test_jobs_carry_a_recipes_key_and_workers_ask_for_the_recipe_once(
         await play(self, group)
 
     asked: list[bytes] = []
-    frame = _channel.frame
+    send = _channel.AsyncSocket.send
 
-    def seen(payload: bytes) -> bytes:
-        asked.append(payload)
-        return frame(payload)
+    async def seen(self: _channel.AsyncSocket, data: bytes) -> None:
+        asked.append(data)  # what the run's channel sends its workers
+        await send(self, data)
 
     with ThreadPoolExecutor(2) as executor:
         async with AsyncRunner(env, agent=agent, workers=2, executor=executor) as runner:
@@ -244,7 +244,7 @@ async def test_jobs_carry_a_recipes_key_and_workers_ask_for_the_recipe_once(
             for key in [k for k in _envs._ENVS if k.startswith(runner._recipe_key)]:
                 _envs._ENVS.pop(key).close()
             monkeypatch.setattr(WorkerPool, "play", measured)
-            monkeypatch.setattr(_channel, "frame", seen)
+            monkeypatch.setattr(_channel.AsyncSocket, "send", seen)
             results = await runner.run(**kwargs)
             monkeypatch.undo()
     assert len(recipe) > 1_000_000

@@ -516,5 +516,5 @@ async def test_an_episodes_last_steps_leave_with_its_end_in_one_write(
             np.cumsum([1] + [len(b) for b in batches[:-1]])
         )
         assert sum(len(b) for b in batches) == 150
-        if detail:
-            assert [len(b) for b in batches] == [64, 64, 22]
+        if detail:  # by size (64 steps) or age (0.1 s): at least three for 150 steps
+            assert len(batches) >= 3 and all(len(b) <= 64 for b in batches)

@@ -355,7 +355,9 @@ class Channel:
                             reply = await self.agent(event)
                         await conn.send(frame(reply))
                     elif isinstance(event, _RecipeCall):
-                        await conn.send(frame(self.recipes.get(event.key, b"")))
+                        blob = self.recipes.get(event.key, b"")
+                        await conn.send(_HEADER.pack(len(blob)))
+                        await conn.send(blob)  # not joined to its header: it may be gigabytes
                     else:
                         await send.send(event)
 

@@ -74,6 +74,14 @@ def _serve(sock: socket.socket, inherited: list[int]) -> None:
             return
 
 
+# Bytes beyond this in a call's arguments are framed in a thread (a warm-up call's recipe).
+_BIG_ARGUMENT = 1 << 20
+
+
+def _call_frame(fn: Callable[..., Any], args: tuple[Any, ...]) -> bytes:
+    return frame(pickle.dumps((fn, args), protocol=5))
+
+
 class _Worker:
     def __init__(self, inherited: list[int]) -> None:
         mine, child = socket.socketpair()
@@ -99,7 +107,11 @@ class _Worker:
     async def call(
         self, fn: Callable[..., Any], args: tuple[Any, ...], threads: anyio.CapacityLimiter
     ) -> Any:
-        data = frame(pickle.dumps((fn, args), protocol=5))
+        if any(isinstance(a, bytes) and len(a) > _BIG_ARGUMENT for a in args):
+            # A pickled agent instance can be gigabytes: copied into the frame off the loop.
+            data = await anyio.to_thread.run_sync(_call_frame, fn, args, limiter=threads)
+        else:
+            data = _call_frame(fn, args)
         try:
             await self.conn.send(data)
             status, value = pickle.loads(await self.conn.receive_frame())
