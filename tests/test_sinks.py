@@ -7,6 +7,7 @@ import re
 import subprocess
 import sys
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -27,6 +28,7 @@ from asyncrunner import (
     SinkError,
     StepBatch,
 )
+from asyncrunner._engine import _channel
 from asyncrunner._engine._dispatch import SINK_BUFFER
 from asyncrunner.sinks import CallbackSink, LoggingSink, ProgressBar, Sink
 
@@ -482,10 +484,6 @@ async def test_an_episodes_last_steps_leave_with_its_end_in_one_write(
 ) -> None:
     # Thread workers: the workers' sends are seen here. One write for the last batch and the
     # end: the orchestrator wakes once for both.
-    from concurrent.futures import ThreadPoolExecutor
-
-    from asyncrunner._engine import _channel
-
     writes: list[tuple[Any, ...]] = []
     connect = _channel.connect
 
