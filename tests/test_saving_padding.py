@@ -285,6 +285,25 @@ def test_rows_are_filled_as_to_vect_lays_them_out(wheel_env: Any) -> None:
                 row = np.full(thing.size(), -1.0, dtype=np.float32)
                 fill(row, thing)
                 assert row.tobytes() == thing.to_vect().astype(np.float32).tobytes()
+        # a fresh action's attributes that grid2op builds on first read are read as their
+        # default, not built: the action is left as the agent made it
+        fresh = env.action_space({})
+        row = np.full(env.action_space.n, -1.0, dtype=np.float32)  # size() would build them
+        fill(row, fresh)
+        lazy = [n for n in type(fresh).attr_list_vect if hasattr(fresh, "_private" + n)]
+        assert len(lazy) >= 5
+        assert [n for n in lazy if getattr(fresh, "_private" + n) is not None] == []
+        assert row.tobytes() == fresh.to_vect().astype(np.float32).tobytes()
+        # a subclass's own property is read as to_vect reads it, not as BaseAction's default
+        redispatching = type(
+            "Redispatching",
+            (type(fresh),),
+            {"_redispatch": property(lambda self: np.full(self.n_gen, 2.0, dtype=np.float32))},
+        )()
+        row = np.full(redispatching.size(), -1.0, dtype=np.float32)
+        fill(row, redispatching)
+        assert row.tobytes() == redispatching.to_vect().astype(np.float32).tobytes()
+        assert (row == 2.0).sum() == env.n_gen
         odd = obs.copy()
         odd.gen_p = odd.gen_p.reshape(-1, 1)  # another shape than its class's layout has
         odd.year = np.array([odd.year])

@@ -7,8 +7,10 @@ their files at the end).
 
 from __future__ import annotations
 
+import inspect
 import operator
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -46,8 +48,11 @@ def fill(row: np.ndarray, obj: Any) -> None:
 
     Each class's attributes are laid out once (``_layout``): a run of one-dimensional arrays is
     concatenated straight into its part of the row, three times as fast as one attribute at a time
-    on an observation. An object that does not fit its class's layout (an attribute of another kind
-    or size) is filled one attribute at a time, as before.
+    on an observation. An action's part is its class's default row with only the attributes the
+    action holds written over it (``_action_run``): grid2op builds the others on first read, as
+    copies of that default, and ``fill`` neither builds them nor changes the action. An object that
+    does not fit its class's layout (an attribute of another kind or size) is filled one attribute
+    at a time, as before.
     """
     layout = _LAYOUTS.get(type(obj))
     if layout is None:
@@ -56,6 +61,12 @@ def fill(row: np.ndarray, obj: Any) -> None:
         for kind, key, where in layout:
             if kind == "run":
                 np.concatenate(key(obj), out=row[where], casting="unsafe")
+            elif kind == "action":
+                get, default, parts = key
+                row[where] = default
+                for value, part in zip(get(obj), parts, strict=True):
+                    if value is not None:
+                        row[part] = value
             elif kind == "scalar":
                 row[where] = getattr(obj, key)
             else:
@@ -105,7 +116,14 @@ def _layout(obj: Any) -> list[tuple[str, Any, Any]]:
             layout.append(("run", get, slice(run_start, start)))
             run.clear()
 
+    action = _action_run(obj)
     for name in type(obj).attr_list_vect:
+        if name in action.readers:
+            end_run()
+            action.add(name, start)
+            start += action.sizes[name]
+            continue
+        layout += action.end()
         value = getattr(obj, name, None)
         if isinstance(value, np.ndarray) and value.ndim == 1:
             if not run:
@@ -122,7 +140,75 @@ def _layout(obj: Any) -> list[tuple[str, Any, Any]]:
             layout.append(("scalar", name, start))
             start += 1
     end_run()
+    layout += action.end()
     return layout
+
+
+class _ActionRun:
+    """A run of an action's attributes that grid2op builds on first read or keeps in its
+    ``_dict_inj``: read without building them, ``None`` for those the action does not hold."""
+
+    def __init__(self, readers: dict[str, Callable[[Any], Any]], defaults: dict[str, Any]) -> None:
+        self.readers, self.defaults = readers, defaults
+        self.sizes = {name: int(default.size) for name, default in defaults.items()}
+        self.names: list[str] = []
+        self.start = 0
+
+    def add(self, name: str, start: int) -> None:
+        if not self.names:
+            self.start = start
+        self.names.append(name)
+
+    def end(self) -> list[tuple[str, Any, Any]]:
+        """The layout's entry for the run so far, if any (``fill``'s ``"action"``)."""
+        if not self.names:
+            return []
+        names, self.names = self.names, []
+        readers = [self.readers[name] for name in names]
+        default = np.concatenate([self.defaults[name] for name in names]).astype(np.float32)
+        parts, start = [], 0
+        for name in names:
+            parts.append(slice(start, start + self.sizes[name]))
+            start += self.sizes[name]
+        get = lambda obj: [read(obj) for read in readers]  # noqa: E731
+        return [("action", (get, default, parts), slice(self.start, self.start + start))]
+
+
+def _action_run(obj: Any) -> _ActionRun:
+    """The attributes of ``obj``'s class (an action's) read as an ``_ActionRun``, as
+    ``BaseAction._get_array_from_attr_name`` reads them:
+
+    - those ``BaseAction`` builds on first read (a property over ``_private<name>``, which a
+      subclass does not override): the private one, ``None`` until built;
+    - the injections of an env's action (``_dict_inj``) that are no attribute of it.
+
+    The default of each is its class's ``DICT_ATTR_`` (what the property builds a copy of).
+    """
+    from grid2op.Action import BaseAction
+
+    readers: dict[str, Callable[[Any], Any]] = {}
+    defaults: dict[str, Any] = {}
+    if not isinstance(obj, BaseAction):
+        return _ActionRun(readers, defaults)
+    cls = type(obj)
+    cls._build_dict_attr_if_needed()
+    for name in cls.attr_list_vect:
+        default = cls.DICT_ATTR_.get(name)
+        if not isinstance(default, np.ndarray) or default.ndim != 1:
+            continue
+        private = "_private" + name
+        if name in BaseAction.__dict__:
+            lazy = BaseAction.__dict__[name]
+            if isinstance(lazy, property) and inspect.getattr_static(cls, name) is lazy:
+                if hasattr(obj, private):
+                    readers[name], defaults[name] = operator.attrgetter(private), default
+        elif getattr(obj, name, None) is None and isinstance(obj._dict_inj, dict):
+            readers[name], defaults[name] = _injection(name), default
+    return _ActionRun(readers, defaults)
+
+
+def _injection(name: str) -> Callable[[Any], Any]:
+    return lambda obj: obj._dict_inj.get(name)
 
 
 def _one(name: str) -> Any:
