@@ -32,11 +32,17 @@ def _spy(monkeypatch: pytest.MonkeyPatch, module: Any, name: str) -> list[str]:
 
 @pytest.fixture
 def reads(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> list[str]:
-    """The files pandas really parses, with an empty cache (in memory, and on disk for grids)."""
+    """The files pandas really parses, with an empty cache (in memory, and on disk in
+    ``tmp_path``: ``grids``, ``chronics``)."""
+    _forget(monkeypatch)
+    monkeypatch.setattr(_parsed, "cache_home", lambda: str(tmp_path))
+    return _spy(monkeypatch, pandas, "read_csv")
+
+
+def _forget(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An empty memory, as in another process: only the disk holds earlier parses."""
     monkeypatch.setattr(_parsed, "_parsed", type(_parsed._parsed)())
     monkeypatch.setattr(_parsed, "_size", 0)
-    monkeypatch.setattr(_parsed, "_grid_folder", lambda: str(tmp_path / "grids"))
-    return _spy(monkeypatch, pandas, "read_csv")
 
 
 def _reset(env: Any, chronic: int, seed: int) -> Any:
@@ -146,23 +152,88 @@ def test_a_grid_parsed_by_an_earlier_process_is_loaded_from_disk(
     first = _Cached(recipe)  # parsed, and written to disk
     assert len(grids) == 1
     (kept,) = (tmp_path / "grids").iterdir()
-    # Another process: nothing in memory, the grid on disk.
-    monkeypatch.setattr(_parsed, "_parsed", type(_parsed._parsed)())
-    monkeypatch.setattr(_parsed, "_size", 0)
+    _forget(monkeypatch)  # another process: nothing in memory, the grid on disk
     second = _Cached(recipe)
     assert len(grids) == 1  # loaded, not parsed
     kept.write_bytes(b"damaged")
-    monkeypatch.setattr(_parsed, "_parsed", type(_parsed._parsed)())
+    _forget(monkeypatch)
     third = _Cached(recipe)
     assert len(grids) == 2  # a damaged file: parsed again, and written again whole
     (key,) = (k for k in _parsed._parsed if k[0] == "pandapower.from_json")
-    assert _parsed._grid_from_disk(key) is not None
+    assert _parsed._from_disk(key) is not None
     try:
         _play_the_same(reference, [first, second, third])
     finally:
         for cached in (first, second, third):
             cached.close()
         reference.close()
+
+
+def _chronic_files(tmp_path: Path) -> dict[str, int]:
+    return {p.name: p.stat().st_size for p in (tmp_path / "chronics").glob("*.pickle")}
+
+
+def test_a_chronic_parsed_by_an_earlier_process_is_loaded_from_disk_and_plays_the_same(
+    reads: list[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    env = make_env("rte_case14_opponent")
+    reference = env.copy()  # outside the cache
+    reference.reset(seed=3, options={"time serie id": 1})
+    expected = [reference.step(reference.action_space())[0].to_vect() for _ in range(4)]
+    reference.close()
+
+    def play() -> None:
+        _forget(monkeypatch)  # another process: nothing in memory
+        episode = env.copy()
+        _reset(episode, 1, 3)
+        steps = [episode.step(episode.action_space())[0].to_vect() for _ in range(4)]
+        episode.close()
+        for a, b in zip(steps, expected, strict=True):
+            np.testing.assert_array_equal(a, b)
+
+    try:
+        reads.clear()
+        play()  # parsed, and written to disk
+        parsed = len(reads)
+        assert parsed > 0 and len(_chronic_files(tmp_path)) == parsed  # one file each
+        play()
+        assert len(reads) == parsed  # loaded, not parsed
+        for kept in (tmp_path / "chronics").glob("*.pickle"):
+            kept.write_bytes(b"damaged")
+        play()
+        assert len(reads) == 2 * parsed  # damaged files: parsed again, and written again whole
+        play()
+        assert len(reads) == 2 * parsed
+    finally:
+        env.close()
+
+
+def test_the_chronics_kept_on_disk_stay_within_their_bound(
+    reads: list[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    env = make_env("rte_case14_opponent")
+    try:
+        _reset(env, 0, 1)
+        one = sum(_chronic_files(tmp_path).values())  # a chronic's files
+        first = set(_chronic_files(tmp_path))
+        monkeypatch.setattr(_parsed, "DISK_BYTES", one + one // 2)
+        time.sleep(0.01)  # the next files are newer (modification times order them)
+        _reset(env, 1, 1)
+        kept = _chronic_files(tmp_path)
+        assert sum(kept.values()) <= one + one // 2
+        # chronic 1's files all kept (the newest), some of chronic 0's gone (the oldest)
+        assert len(set(kept) - first) == len(first) and not first <= set(kept)
+        _forget(monkeypatch)
+        before = len(reads)
+        _reset(env, 1, 1)
+        assert len(reads) == before  # loaded from disk
+        monkeypatch.setattr(_parsed, "DISK_BYTES", 0)  # keep none: nothing more is written
+        shutil.rmtree(tmp_path / "chronics")
+        _forget(monkeypatch)
+        _reset(env, 2, 1)
+        assert not (tmp_path / "chronics").exists()
+    finally:
+        env.close()
 
 
 def _finished(ahead: _parsed.ParsedAhead, resets: int, seconds: float = 60) -> None:
@@ -237,9 +308,11 @@ def test_the_grids_and_the_scores_share_the_cache_folder_the_readme_names(
     from asyncrunner._score._grid2op import default_cache_dir
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    assert _parsed._grid_folder() == str(tmp_path / "asyncrunner" / "grids")
+    assert _parsed._disk_folder("pandapower.from_json") == str(tmp_path / "asyncrunner" / "grids")
+    assert _parsed._disk_folder("pandas.read_csv") == str(tmp_path / "asyncrunner" / "chronics")
     assert default_cache_dir() == str(tmp_path / "asyncrunner" / "scores")
     monkeypatch.delenv("XDG_CACHE_HOME")
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
-    assert _parsed._grid_folder() == str(tmp_path / "home" / ".cache" / "asyncrunner" / "grids")
+    home = tmp_path / "home" / ".cache" / "asyncrunner"
+    assert _parsed._disk_folder("pandapower.from_json") == str(home / "grids")
     assert default_cache_dir() == str(tmp_path / "home" / ".cache" / "asyncrunner" / "scores")
