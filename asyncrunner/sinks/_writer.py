@@ -229,23 +229,24 @@ class Writer(Sink):
     def _write_json_once(
         self, folder: str, spaces: Mapping[str, Any], names: Sequence[str]
     ) -> None:
-        """Write the space files missing in ``folder`` (existing ones are kept, as grid2op does)."""
+        """Write the space files missing in ``folder`` (existing ones are kept, as grid2op does):
+        all flushed at once, then each renamed into place."""
         os.makedirs(folder, exist_ok=True)
-        for name in names:
-            if name not in spaces:
-                continue
-            target = os.path.join(folder, name)
-            if os.path.exists(target):
-                continue
-            tmp = self._new_tmp(folder, ".part")
-            try:
+        missing = [n for n in names if n in spaces and not os.path.exists(os.path.join(folder, n))]
+        if not missing:
+            return
+        tmps = [self._new_tmp(folder, ".part") for _ in missing]
+        try:
+            for tmp, name in zip(tmps, missing, strict=True):
                 write_file(tmp, _space_json(spaces[name]))
-                sync([tmp])
+            sync(tmps)
+            for tmp, name in zip(tmps, missing, strict=True):
+                target = os.path.join(folder, name)
                 if not os.path.exists(target):
                     os.replace(tmp, target)
-                    sync([folder])
-            finally:
-                self._remove([tmp])
+            sync([folder])
+        finally:
+            self._remove(tmps)
 
 
 def json_bytes(obj: Any) -> bytes:
