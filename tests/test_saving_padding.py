@@ -197,6 +197,34 @@ async def test_buffer_holds_the_rows_played_only(tmp_path: Path) -> None:
     assert buffer.arrays(started.max_ts)["observations"].shape == (started.max_ts + 1, width)
 
 
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_a_buffer_on_an_earlier_ones_arrays_gives_the_same_arrays(tmp_path: Path) -> None:
+    """A worker's next episode fills the arrays its last one released: what it saves is what a
+    buffer of its own gives, whatever the earlier rows held."""
+    events, _ = await _events(tmp_path)
+
+    def of(index: int, spare: dict[str, np.ndarray] | None = None) -> EpisodeBuffer:
+        started = next(e for e in events if isinstance(e, EpisodeStarted) and e.index == index)
+        buffer = EpisodeBuffer(started, spare)
+        for batch in events:
+            if isinstance(batch, StepBatch) and batch.index == index:
+                buffer.add(batch)
+        return buffer
+
+    spare = of(0).release()
+    for arr in spare.values():
+        arr[...] = 7  # rows the next episode does not play must not show
+    reused, own = of(1, spare), of(1)
+    max_ts = reused.started.max_ts
+    expected = own.arrays(max_ts)
+    for name, arr in reused.arrays(max_ts).items():
+        assert arr.tobytes() == expected[name].tobytes(), name
+    assert reused.n == own.n
+    again = reused.release()
+    assert all(again[name] is spare[name] for name in spare)  # reused, not allocated
+
+
 def test_sync_keeps_its_threads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Flushing an episode's files does not start a thread per file each time (CPU)."""
     paths = []

@@ -46,20 +46,34 @@ class EpisodeBuffer:
     arrays. With ``capacity > 0`` the arrays have ``capacity`` rows (observations one more), the
     rows after the last step padded as grid2op pads them (NaN; ``True`` for disconnected lines
     and legal; ``False`` for ambiguous; ``0`` for attacks); otherwise they hold the steps played.
+
+    ``spare``: the arrays of an earlier buffer (``release``), reused when their widths fit. Its
+    steps must then arrive in order from the first (as a worker adds them): only the rows played
+    are read, and those are written first.
     """
 
-    def __init__(self, started: EpisodeStarted) -> None:
+    def __init__(
+        self, started: EpisodeStarted, spare: Mapping[str, np.ndarray] | None = None
+    ) -> None:
         self.started = started
         self.attempt = started.attempt
         self.n = 0
         self.cum_reward64 = 0.0  # as CompactEpisodeData sums: float(reward) in float64
         self._first = np.asarray(started.observation, dtype=np.float32)
         self._data: dict[str, np.ndarray] = {}  # allocated with the first batch's widths
+        self._spare = spare
 
     def _allocate(self, shapes: Mapping[str, tuple[int, ...]]) -> None:
-        for name, (fill, dtype) in _FILLS.items():
-            rows = _GROW_ROWS + (name == "observations")
-            self._data[name] = np.full((rows, *shapes[name]), fill, dtype=dtype)
+        spare, self._spare = self._spare, None
+        if spare and all(
+            spare[name].shape[1:] == shapes[name] and spare[name].dtype == dtype
+            for name, (_, dtype) in _FILLS.items()
+        ):
+            self._data = dict(spare)
+        else:
+            for name, (fill, dtype) in _FILLS.items():
+                rows = _GROW_ROWS + (name == "observations")
+                self._data[name] = np.full((rows, *shapes[name]), fill, dtype=dtype)
         self._data["observations"][0] = self._first
 
     def _reserve(self, rows: int) -> None:
@@ -100,6 +114,11 @@ class EpisodeBuffer:
             fill = np.full(arr.shape[1:], _FILLS[name][0], dtype=arr.dtype)
             out[name] = Padded(arr[: self.n + extra], rows + extra, fill)
         return out
+
+    def release(self) -> dict[str, np.ndarray]:
+        """This buffer's arrays, for a later one to reuse (``spare``); this one is left empty."""
+        data, self._data, self.n = self._data, {}, 0
+        return data
 
     def arrays(self, capacity: int) -> dict[str, np.ndarray]:
         """The whole arrays, padding included."""
