@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -316,3 +318,38 @@ def test_the_grids_and_the_scores_share_the_cache_folder_the_readme_names(
     home = tmp_path / "home" / ".cache" / "asyncrunner"
     assert _parsed._disk_folder("pandapower.from_json") == str(home / "grids")
     assert default_cache_dir() == str(tmp_path / "home" / ".cache" / "asyncrunner" / "scores")
+
+
+def test_a_worker_forked_while_another_thread_parses_does_not_wait_for_it() -> None:
+    """A worker forks from a thread of this process while another thread may be building an env
+    (another runner's, under ``parsing_once``): the worker's resets neither wait for that
+    thread's lock nor keep pandas patched after them."""
+    env = make_env()
+    original = pandas.read_csv
+    inside, leave = threading.Event(), threading.Event()
+
+    def parse() -> None:
+        with _parsed.parsing_once(), _parsed._lock:
+            inside.set()
+            leave.wait()
+
+    thread = threading.Thread(target=parse)
+    thread.start()
+    try:
+        assert inside.wait(10)
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - the child (coverage does not follow os.fork)
+            code = 1
+            try:
+                signal.alarm(10)  # a reset waiting on the lock ends here, as a failure
+                with _parsed.parsing_once():
+                    env.reset(seed=0)
+                code = 0 if pandas.read_csv is original else 2
+            finally:
+                os._exit(code)
+    finally:
+        leave.set()
+        thread.join()
+        env.close()
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0

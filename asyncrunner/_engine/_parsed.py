@@ -228,6 +228,22 @@ def parsing_once() -> Iterator[None]:
                     setattr(module, name, _originals[f"{module.__name__}.{name}"])
 
 
+def _after_fork() -> None:
+    # A forked worker starts with no thread inside parsing_once: a thread of its parent (another
+    # runner's build, running while this worker forked) may have held the lock, or left pandas'
+    # and pandapower's functions patched, in this copy of the process.
+    global _lock, _users
+    _lock = threading.Lock()
+    if _users:
+        for qualified, original in _originals.items():
+            module, name = qualified.rsplit(".", 1)
+            setattr(sys.modules[module], name, original)
+        _users = 0
+
+
+os.register_at_fork(after_in_child=_after_fork)
+
+
 class ParsedAhead:
     """Resets a copy of ``env`` with each of ``resets`` (grid2op's reset options) in a forked
     helper process, under ``parsing_once``: the chronics those episodes read, parsed beside what
