@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
 import signal
+import subprocess
 import sys
 import time
 from typing import Any
@@ -290,3 +292,62 @@ async def test_forked_workers_exit_when_their_parent_dies(tmp_path: Any) -> None
     pids = [int(p) for p in done.stdout.split()]
     assert len(pids) == 2
     await wait_dead(pids)
+
+
+IMPORTS_SCRIPT = '''
+import asyncio, json, os, sys, warnings
+import grid2op
+from grid2op.Agent import BaseAgent
+from asyncrunner import AsyncRunner
+
+OUT = sys.argv[1]
+
+
+class Snapshot(BaseAgent):
+    """Writes the modules its worker holds at each episode's first step."""
+
+    def __init__(self, action_space):
+        super().__init__(action_space)
+        self.first = True
+
+    def act(self, obs, reward, done=False):
+        if self.first:
+            self.first = False
+            with open(OUT, "a") as f:
+                f.write(json.dumps(sorted(sys.modules)) + "\\n")
+        return self.action_space({})
+
+
+async def main():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        env = grid2op.make("l2rpn_case14_sandbox", test=True)
+    async with AsyncRunner(env, agent=Snapshot, workers=1) as runner:
+        await runner.run(nb_episode=2, max_iter=5, path_save=os.path.dirname(OUT) + "/saved")
+
+
+asyncio.run(main())
+'''
+
+
+@pytest.mark.slow  # a fresh interpreter: what a user's script has imported before its workers fork
+def test_a_forked_worker_imports_nothing_while_it_plays_and_saves(tmp_path: Any) -> None:
+    """A module a worker imports on first use may be half-imported by a thread of the parent at
+    the fork, its import lock held by a thread the child does not have: the child would wait
+    forever. Between its first episode's first step and its second's (steps, saving, reset),
+    a worker imports nothing."""
+    script, out = tmp_path / "script.py", tmp_path / "modules.jsonl"
+    script.write_text(IMPORTS_SCRIPT)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run(
+        [sys.executable, str(script), str(out)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    first, second = (set(json.loads(line)) for line in out.read_text().splitlines())
+    assert (tmp_path / "saved").is_dir()
+    assert sorted(second - first) == []

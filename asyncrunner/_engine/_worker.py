@@ -12,12 +12,12 @@ it sends each observation over the same channel and plays the action that comes 
 
 from __future__ import annotations
 
-import concurrent.futures
 import copy
 import dataclasses
 import os
 import time
 import traceback
+from concurrent.futures import ThreadPoolExecutor  # imported before any fork (see _layout)
 from typing import Any
 
 import numpy as np
@@ -111,7 +111,7 @@ def run_episodes(jobs: list[EpisodeJob]) -> list[str]:
     """
     if len(jobs) == 1:
         return [run_episode(jobs[0])]
-    with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
+    with ThreadPoolExecutor(len(jobs)) as pool:
         futures = [pool.submit(run_episode, job, slot, len(jobs)) for slot, job in enumerate(jobs)]
         return [f.result() for f in futures]
 

@@ -7,7 +7,6 @@ the results read back from a folder.
 
 from __future__ import annotations
 
-import concurrent.futures
 import errno
 import hashlib
 import json
@@ -15,6 +14,10 @@ import os
 import threading
 import warnings
 from collections.abc import Mapping, Sequence
+
+# Imported now, not on first use (``concurrent.futures`` imports it lazily): a worker forked while
+# a thread of its parent was importing it would wait forever for that import at its first save.
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from .._model import EpisodeRequest, EpisodeResult
@@ -68,15 +71,15 @@ def sync(paths: Sequence[str]) -> None:
 
 # Threads kept from one call to the next: starting 15 threads per saved episode cost the parent
 # more CPU than the fsync calls (about 3 ms against 1 ms per episode, here).
-_POOL: concurrent.futures.ThreadPoolExecutor | None = None
+_POOL: ThreadPoolExecutor | None = None
 _POOL_LOCK = threading.Lock()
 
 
-def _fsync_pool() -> concurrent.futures.ThreadPoolExecutor:
+def _fsync_pool() -> ThreadPoolExecutor:
     global _POOL
     with _POOL_LOCK:
         if _POOL is None:
-            _POOL = concurrent.futures.ThreadPoolExecutor(16, thread_name_prefix="asyncrunner-sync")
+            _POOL = ThreadPoolExecutor(16, thread_name_prefix="asyncrunner-sync")
         return _POOL
 
 
