@@ -304,17 +304,14 @@ OUT = sys.argv[1]
 
 
 class Snapshot(BaseAgent):
-    """Writes the modules its worker holds at each episode's first step."""
+    """Writes the modules its worker holds when an episode starts (before its reset)."""
 
     def __init__(self, action_space):
         super().__init__(action_space)
-        self.first = True
+        with open(OUT, "a") as f:
+            f.write(json.dumps(sorted(sys.modules)) + "\\n")
 
     def act(self, obs, reward, done=False):
-        if self.first:
-            self.first = False
-            with open(OUT, "a") as f:
-                f.write(json.dumps(sorted(sys.modules)) + "\\n")
         return self.action_space({})
 
 
@@ -334,8 +331,8 @@ asyncio.run(main())
 def test_a_forked_worker_imports_nothing_while_it_plays_and_saves(tmp_path: Any) -> None:
     """A module a worker imports on first use may be half-imported by a thread of the parent at
     the fork, its import lock held by a thread the child does not have: the child would wait
-    forever. Between its first episode's first step and its second's (steps, saving, reset),
-    a worker imports nothing."""
+    forever. From its first episode's start to its second's (its first reset, steps, saving), a
+    worker imports nothing."""
     script, out = tmp_path / "script.py", tmp_path / "modules.jsonl"
     script.write_text(IMPORTS_SCRIPT)
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
