@@ -13,6 +13,7 @@ import tracemalloc
 import warnings
 import zipfile
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -223,6 +224,33 @@ async def test_a_buffer_on_an_earlier_ones_arrays_gives_the_same_arrays(tmp_path
     assert reused.n == own.n
     again = reused.release()
     assert all(again[name] is spare[name] for name in spare)  # reused, not allocated
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_a_worker_saves_its_next_episode_in_its_last_ones_arrays(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A worker (a thread here, so that this process is the worker) takes the arrays its last
+    saved episode released, and releases them again: one set, not one per episode."""
+    from asyncrunner._engine import _worker
+
+    from .conftest import make_env
+
+    monkeypatch.setattr(_worker, "_SPARE", [])
+    env = make_env()
+    try:
+        with ThreadPoolExecutor(1) as executor:
+            async with AsyncRunner(
+                env, agent=DoNothingAgent, workers=1, executor=executor
+            ) as runner:
+                results = await runner.run(3, max_iter=70, path_save=tmp_path / "saved")
+    finally:
+        env.close()
+    assert [r.nb_time_step for r in results] == [70, 70, 70]  # past the first 64 rows
+    assert len(_worker._SPARE) == 1  # taken by each episode, given back at its end
+    (spare,) = _worker._SPARE
+    assert len(spare["observations"]) > 70
 
 
 def test_sync_keeps_its_threads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
