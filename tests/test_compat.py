@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import gc
 import multiprocessing
 import os
 import shutil
@@ -424,6 +425,19 @@ def test_envs_built_in_this_process_by_a_run(
     assert head(results) == head(
         grid2ops(grid_runner(env, agentClass=DoNothingAgent).run, **kwargs)
     )
+
+
+def test_a_runner_left_unclosed_closes_its_env_when_collected(env: Any) -> None:
+    # Scripts do not close grid2op's Runner (it keeps no env). Ours keeps one: dropped, the
+    # runner closes it, in order, rather than leave it to the collector (which may finalize its
+    # observation env first, and the env's own close then raises).
+    runner = compat_runner(env, agentClass=DoNothingAgent)
+    runner.run(nb_episode=1, nb_process=2, max_iter=2)
+    kept = runner._ar_env
+    obs_env = kept._observation_space.obs_env
+    del runner
+    gc.collect()
+    assert kept._BaseEnv__closed and obs_env._BaseEnv__closed
 
 
 def test_the_constructor_parses_the_grid_once_per_process(

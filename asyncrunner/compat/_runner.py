@@ -53,6 +53,7 @@ from __future__ import annotations
 import contextlib
 import os
 import warnings
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -96,6 +97,8 @@ class Runner(_GridRunner):  # type: ignore[misc]  # grid2op is untyped (Any base
     # The ``env_key`` of the workers' env when ``_ar_env`` was built: while the runner's
     # parameters give the same, ``_ar_env`` is the runs' pristine env (``_play.call``).
     _ar_env_key: str | None = None
+    # Frees ``_ar_env`` once (``close``, or this runner collected: scripts do not close grid2op's).
+    _ar_free: weakref.finalize[[Any], Runner] | None = None
     _ar_keep = False
     # Set while grid2op's constructor runs: the env its init_env builds is kept (``_ar_env``).
     _ar_capture = False
@@ -138,20 +141,18 @@ class Runner(_GridRunner):  # type: ignore[misc]  # grid2op is untyped (Any base
         """Stop the worker pool kept by ``with`` (if any) and free the env held for the runs."""
         self._ar_keep = False
         session, self._ar_session = self._ar_session, None
-        env, self._ar_env = self._ar_env, None
-        self._ar_env_key = None
+        free, self._ar_free = self._ar_free, None
+        self._ar_env = self._ar_env_key = None
         try:
             if session is not None:
                 session.close()
         finally:
-            # Lent to the workers' hold (``_play.call``) that another runner still keeps: that
-            # hold closes it.
-            if env is not None and not disown(env):
-                env.close()
+            if free is not None:
+                free()
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
-        for key in ("_ar_session", "_ar_env", "_ar_keep"):
+        for key in ("_ar_session", "_ar_env", "_ar_free", "_ar_keep"):
             state.pop(key, None)
         return state
 
@@ -435,7 +436,18 @@ class Runner(_GridRunner):  # type: ignore[misc]  # grid2op is untyped (Any base
 
     def _ar_note_env(self) -> None:
         if self._ar_env is not None:
+            # Not left to the collector: it may finalize the env's observation env first, and
+            # the env's own close then closes that one again, which raises ("Exception ignored
+            # in BaseEnv.__del__").
+            self._ar_free = weakref.finalize(self, _free_env, self._ar_env)
             try:
                 self._ar_env_key = env_key(env_view(self, self._ar_env))
             except TypeError:  # parameters that cannot be pickled: the runs say so
                 self._ar_env_key = None
+
+
+def _free_env(env: Any) -> None:
+    """Close a runner's env, unless it is lent to the workers' hold (``_play.call``) that another
+    runner still keeps: that hold closes it."""
+    if not disown(env):
+        env.close()
