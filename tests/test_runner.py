@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import gc
 import multiprocessing
 import pickle
+import weakref
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from typing import Any
 
@@ -148,6 +150,42 @@ def test_a_lent_pristine_env_is_closed_by_its_last_holder(env: Any) -> None:
     _envs.release(key)
     assert not other._BaseEnv__closed and not _envs.disown(other)  # the lender closes it
     other.close()
+
+
+class _Cycle:
+    def __init__(self) -> None:
+        self.me = self
+
+
+def test_what_a_process_had_stays_out_of_its_collections_while_it_holds_envs(env: Any) -> None:
+    # A held env's build triggers a full collection of everything this process has (0.15 to
+    # 0.2 s with a big heap), landing as the workers are forked or a run starts. While envs are
+    # held, what the process had before is frozen; after, it is collected as before.
+    runner = AsyncRunner(env, agent=DoNothingAgent, workers=1)
+    key, blob = runner._recipe_key, runner._recipe_bytes
+    cycle = _Cycle()
+    gone = weakref.ref(cycle)
+    assert gc.get_freeze_count() == 0
+    assert _envs.hold(key, blob) and _envs.hold(key, blob)
+    assert gc.get_freeze_count() > 0
+    del cycle
+    gc.collect()
+    assert gone() is not None  # frozen: not collected while held
+    _envs.release(key)
+    gc.collect()
+    assert gone() is not None  # still held once
+    _envs.release(key)
+    assert gc.get_freeze_count() == 0
+    gc.collect()
+    assert gone() is None
+    # A freeze of the caller's (a pre-fork server's) is left as it is.
+    gc.freeze()
+    try:
+        assert _envs.hold(key, blob)
+        _envs.release(key)
+        assert gc.get_freeze_count() > 0  # not unfrozen by the release
+    finally:
+        gc.unfreeze()
 
 
 async def test_copy_env_starts_forked_workers_from_a_copy_of_the_env(
