@@ -85,7 +85,7 @@ def test_config(report: dict[str, Any]) -> None:
     assert cfg["agent"] == "DoNothingAgent"
     assert (cfg["episodes"], cfg["workers"], cfg["max_iter"], cfg["seed"]) == (2, 2, 10, 0)
     assert cfg["sweep_workers"] == [2]
-    assert cfg["loop"] == "asyncio" and cfg["copy_env"] is False
+    assert cfg["loop"] == "asyncio" and cfg["copy_env"] is False and cfg["repeat"] == 3
     assert cfg["episode_ids"] == [0, 1]
     for key in ("env_seeds", "agent_seeds"):
         assert len(cfg[key]) == 2 and all(isinstance(s, int) for s in cfg[key])
@@ -121,6 +121,9 @@ def test_contenders(report: dict[str, Any]) -> None:
         assert 0 <= lag["p50"] <= lag["p99"] <= lag["max"]
         assert isinstance(part["parent_cpu_s"], float) and part["parent_cpu_s"] >= 0
         assert isinstance(part["parent_cpu_us_per_step"], float)
+        if name != "cold":  # played three times in turns: the figures are the median run's
+            each = part["seconds_each"]
+            assert len(each) == 3 and sorted(each)[1] == part["seconds"]
         if name == "warm_no_sinks":
             assert part["first_step_s"] is None and part["first_step_max_s"] is None
         else:
@@ -223,9 +226,11 @@ def test_skip_grid2op_no_probe_trio_copy_env() -> None:
         "--loop",
         "trio",
         "--copy-env",
+        "--repeat",
+        "1",
     )[1]
     assert report["config"]["loop"] == "trio" and report["config"]["agent"] == "RandomAgent"
-    assert report["config"]["copy_env"] is True
+    assert report["config"]["copy_env"] is True and report["config"]["repeat"] == 1
     assert report["grid2op"] is None
     assert (
         report["ratios"]["cold_vs_grid2op"] is None and report["ratios"]["warm_vs_grid2op"] is None
@@ -238,6 +243,8 @@ def test_skip_grid2op_no_probe_trio_copy_env() -> None:
         part = report["asyncrunner"][name]
         assert part["loop_lag_ms"] is None
         assert part["steps"] == steps  # seeded: the same random actions everywhere
+        if name != "cold":
+            assert part["seconds_each"] == [part["seconds"]]
     agreement = report["agreement"]
     assert agreement["steps_agree"] is None and agreement["grid2op_steps"] is None
     assert agreement["asyncrunner_steps"] == steps
@@ -283,6 +290,7 @@ def test_bad_arguments() -> None:
     for args, message in (
         (["--workers", "1,1"], "each worker count once"),
         (["--plot", "b.svg"], "PNG"),
+        (["--repeat", "0"], "--repeat"),
     ):
         done = subprocess.run(
             [sys.executable, "-m", "asyncrunner", "bench", *args],

@@ -51,6 +51,7 @@ class Plan:
     env_seeds: list[int]
     agent_seeds: list[int]
     copy_env: bool = False  # AsyncRunner(copy_env=...)
+    repeat: int = 1  # times each warm AsyncRunner run is played (its figure: the median run)
 
     def kwargs(self) -> dict[str, Any]:
         return {
@@ -240,10 +241,12 @@ async def asyncrunner_runs(
             *,
             path_save: str | None,
             sinks: Sequence[Any] | None = (),
-        ) -> None:
+            turn: int | None = None,  # a warm run's turn (``plan.repeat``)
+        ) -> dict[str, Any] | None:
             # sinks=None: no sink at all; else a first-step clock plus ``sinks``.
             if not lag_pass:
-                progress(f"AsyncRunner: {name.replace('_', ' ')}")
+                again = f" ({turn + 1} of {plan.repeat})" if turn is not None else ""
+                progress(f"AsyncRunner: {name.replace('_', ' ')}{again}")
             clock = _FirstSteps(start)
             # The clock reads no steps: a run's cost is its sinks'.
             attached = [] if sinks is None else [CallbackSink(clock, needs_steps=False), *sinks]
@@ -257,15 +260,16 @@ async def asyncrunner_runs(
             lag = probe.end()
             if lag_pass:
                 out[name]["loop_lag_ms"] = lag
-                return
-            results[name] = rows = _summary(played)
+                return None
+            # Every turn's results, for the agreement: each must play the same.
+            results[f"{name} {turn + 1}" if turn else name] = rows = _summary(played)
             steps = sum(r[1] for r in rows)
             extra: dict[str, Any] = {
                 **(clock.as_dict() if attached else dict.fromkeys(clock.as_dict())),
                 "parent_cpu_s": cpu,
                 "parent_cpu_us_per_step": cpu / steps * 1e6 if steps else None,
             }
-            out[name] = {**Timing(elapsed, len(rows), steps, extra).as_dict(), "loop_lag_ms": None}
+            return {**Timing(elapsed, len(rows), steps, extra).as_dict(), "loop_lag_ms": None}
 
         if lag_pass:
             progress("AsyncRunner: the same runs again, with the 1 ms ticker beside them")
@@ -273,28 +277,40 @@ async def asyncrunner_runs(
         async with AsyncRunner(
             env, agent=agent, workers=plan.workers, copy_env=plan.copy_env
         ) as runner:
-            await measured("cold", start, runner.run, path_save=os.path.join(tmp, "cold"))
+            cold = await measured("cold", start, runner.run, path_save=os.path.join(tmp, "cold"))
+            if cold is not None:
+                out["cold"] = cold
             # Not timed: the same episodes once more, so that every warm run finds each worker
             # with the chronics parsed (a worker parses a chronic the first time it plays it:
             # 0.4 s on l2rpn_idf_2023), whichever of them its episodes land on.
             await runner.run(plan.nb_episode, **plan.kwargs())
-            await measured(
-                "warm", time.perf_counter(), runner.run, path_save=os.path.join(tmp, "warm")
-            )
-            if not sink_runs:
-                return
-            await measured(
-                "warm_no_sinks", time.perf_counter(), runner.run, path_save=None, sinks=None
-            )
-            every, names = _every_sink(tmp)
-            await measured(
-                "warm_all_sinks",
-                time.perf_counter(),
-                runner.run,
-                path_save=os.path.join(tmp, "all"),
-                sinks=every,
-            )
-            out["warm_all_sinks"]["sinks"] = names
+            # The warm runs ``plan.repeat`` times, in turns: runs of a few seconds vary by 10 to
+            # 20 % on a shared machine, and each figure is the run of median time.
+            timed: dict[str, list[dict[str, Any]]] = {}
+            names: list[str] = []
+            for turn in range(1 if lag_pass else plan.repeat):
+                folder = os.path.join(tmp, str(turn))
+                warm_runs: dict[str, dict[str, Any]] = {
+                    "warm": {"path_save": os.path.join(folder, "warm")}
+                }
+                if sink_runs:
+                    every, names = _every_sink(folder)
+                    warm_runs["warm_no_sinks"] = {"path_save": None, "sinks": None}
+                    warm_runs["warm_all_sinks"] = {
+                        "path_save": os.path.join(folder, "all"),
+                        "sinks": every,
+                    }
+                for name, kwargs in warm_runs.items():
+                    part = await measured(
+                        name, time.perf_counter(), runner.run, turn=turn, **kwargs
+                    )
+                    if part is not None:
+                        timed.setdefault(name, []).append(part)
+            for name, parts in timed.items():
+                median = sorted(parts, key=lambda part: part["seconds"])[len(parts) // 2]
+                out[name] = {**median, "seconds_each": [part["seconds"] for part in parts]}
+            if "warm_all_sinks" in out:
+                out["warm_all_sinks"]["sinks"] = names
 
     # Two passes of the same runs: timed with nothing else in this process, then again with the
     # ticker beside them for the loop's lag (its wake-ups take CPU the workers would use).

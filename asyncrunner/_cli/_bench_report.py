@@ -7,7 +7,8 @@ milliseconds; ``null`` where a figure was not measured, e.g. ``grid2op`` under `
 - ``config``: ``env``, ``test``, ``backend`` (the backend class used), ``agent``, ``episodes``,
   ``workers`` (the largest of ``sweep_workers``: the whole bench ran with it),
   ``sweep_workers`` (the counts ``--workers`` listed), ``max_iter``, ``seed``, ``loop``
-  (``"asyncio"`` / ``"trio"``), ``copy_env`` (``--copy-env``), ``episode_ids``, ``env_seeds``,
+  (``"asyncio"`` / ``"trio"``), ``copy_env`` (``--copy-env``), ``repeat`` (``--repeat``),
+  ``episode_ids``, ``env_seeds``,
   ``agent_seeds`` (what every contender played), ``cpu_count``, ``versions``
   (``python``, ``grid2op``, ``lightsim2grid``, ``anyio``, ``asyncrunner``: str or null).
 - ``lag_probe``: ``enabled`` (``--lag-probe``, the default), ``tick_ms`` (1.0),
@@ -25,7 +26,9 @@ milliseconds; ``null`` where a figure was not measured, e.g. ``grid2op`` under `
   event loop and the sinks' threads) and ``parent_cpu_us_per_step`` (the same per step
   played: what orchestrating and sinks cost this process, steadier than times on a busy
   machine; on a machine with no spare core it is taken from the workers).
-  ``warm_all_sinks`` also has ``sinks`` (the class names attached).
+  ``warm_all_sinks`` also has ``sinks`` (the class names attached). The three warm runs are
+  played ``repeat`` times, in turns: each is the run of median time, with ``seconds_each``
+  (every turn's time, in the order played).
 - ``ratios``: ``cold_vs_grid2op``, ``warm_vs_grid2op`` (AsyncRunner steps/s over grid2op's),
   ``cold_vs_bare``, ``warm_vs_bare`` (AsyncRunner steps/s over N × the bare loop's),
   ``all_sinks_vs_no_sinks`` (steps/s with every sink over steps/s with none).
@@ -277,6 +280,19 @@ def print_report(report: dict[str, Any]) -> None:
         print(
             f"{label:{width}}  {part['seconds']:8.2f}  {part['steps']:7d}  "
             f"{_num(part['steps_per_s']):>8}  {_num(part['episodes_per_s'], '.2f'):>10}"
+        )
+    each = [
+        f"{label} " + ", ".join(f"{t:.2f}" for t in ours[name]["seconds_each"])
+        for name, label in (
+            ("warm", "warm"),
+            ("warm_no_sinks", "no sink"),
+            ("warm_all_sinks", "every sink"),
+        )
+        if ours[name] is not None
+    ]
+    if cfg["repeat"] > 1 and each:
+        print(
+            f"(warm rows: the median of {cfg['repeat']} runs in turns; seconds: {'; '.join(each)})"
         )
     ratios = report["ratios"]
     print()
