@@ -224,8 +224,10 @@ def release(recipe_key: str) -> None:
         if holders > 1:
             _HELD[recipe_key] = (cached, holders - 1)
             return
-        cached.close()
-        _thaw()
+        try:
+            cached.close()
+        finally:
+            _thaw()
 
 
 def exclusive() -> Any:
