@@ -34,7 +34,7 @@ from ..sinks._base import Sink
 from ..sinks._mix import OnlyMix
 from ..sinks._writer import Writer
 from ._central import CentralAgent, serving
-from ._channel import Channel, open_channel
+from ._channel import Channel, open_channel, receive_soon, send_soon
 from ._pool import WorkerDied, WorkerPool
 from ._recipe import EpisodeJob
 
@@ -120,11 +120,11 @@ class Run:
                         sink_sends.append(send)
                         sink_group.start_soon(_consume, sink, receive)
                     targets = [
-                        (send.send, sink.episode_format is not None)
+                        (send, sink.episode_format is not None)
                         for send, sink in zip(sink_sends, self.sinks, strict=True)
                     ]
                     if out is not None:
-                        targets.append((out.send, False))
+                        targets.append((out, False))
                     emit = _fan_out(targets)
                     self._stages = await self._make_stages()
                     agent, spaces = self.settings.agent, self.settings.spaces
@@ -193,7 +193,11 @@ class Run:
         async with anyio.create_task_group() as dispatchers, receive:
             for _ in range(min(self.pool.workers, len(self.requests))):
                 dispatchers.start_soon(self._dispatch, receive.clone(), channel)
-            async for event in channel.receive:
+            while True:
+                try:
+                    event = await receive_soon(channel.receive)
+                except anyio.EndOfStream:
+                    break
                 await self._collect(event, emit)
                 if self.failure is not None and self.on_error == "raise":
                     # Stop the rest: cancelling a call stops its worker process.
@@ -260,7 +264,11 @@ class Run:
         if central is not None and self.pool.groups_episodes:
             per_worker = central.envs_per_worker
         async with requests:
-            async for request in requests:
+            while True:
+                try:
+                    request = await receive_soon(requests)
+                except anyio.EndOfStream:
+                    break
                 group = [request]
                 # Share the run among the workers rather than fill the first ones (and leave
                 # a last, smaller group to play alone at the end).
@@ -354,7 +362,8 @@ class Run:
                 group = again
                 continue
             for terminal in terminals:
-                await terminal.wait()
+                if not terminal.is_set():  # its end usually came before the reply
+                    await terminal.wait()
             return
 
     async def _fail(
@@ -390,7 +399,7 @@ def _writer_of(sink: Sink) -> tuple[str | None, Writer | None]:
 
 
 def _fan_out(
-    targets: Sequence[tuple[Callable[[Event], Awaitable[None]], bool]],
+    targets: Sequence[tuple[MemoryObjectSendStream[Event], bool]],
 ) -> Callable[[Event], Awaitable[None]]:
     """Send each event to every target; an episode's files only to those that write them (the
     others, ``stream()`` among them, could hold megabytes per episode without knowing it)."""
@@ -400,7 +409,7 @@ def _fan_out(
         if isinstance(event, EpisodeFinished) and event.files:
             bare = replace(event, files={})
         for target, writes in targets:
-            await target(event if writes else bare)
+            await send_soon(target, event if writes else bare)
 
     return emit
 
@@ -408,7 +417,11 @@ def _fan_out(
 async def _consume(sink: Sink, receive: MemoryObjectReceiveStream[Event]) -> None:
     try:
         async with receive:
-            async for event in receive:
+            while True:
+                try:
+                    event = await receive_soon(receive)
+                except anyio.EndOfStream:
+                    break
                 try:
                     await sink.send(event)
                 except Exception as exc:

@@ -156,7 +156,13 @@ class ForkPool(WorkerPool):
         return {w.pid for w in (*self._idle, *self._busy)}
 
     async def submit(self, fn: Callable[..., T], *args: Any) -> T:
-        async with self.limiter:
+        # A free slot is taken without a turn of the event loop (``async with limiter`` takes
+        # one, and a short episode's call makes few others).
+        try:
+            self.limiter.acquire_nowait()
+        except anyio.WouldBlock:
+            await self.limiter.acquire()
+        try:
             if self._idle:
                 worker = self._idle.pop()
             else:
@@ -182,6 +188,8 @@ class ForkPool(WorkerPool):
             self._busy.discard(worker)
             self._idle.append(worker)
             return result
+        finally:
+            self.limiter.release()
 
     async def stop(self) -> None:
         """Stop the idle workers: socket closed (clean exit), killed if still there after a grace."""
