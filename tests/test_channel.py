@@ -86,3 +86,26 @@ async def test_closing_while_a_frame_arrives(listen: str | None) -> None:
                 sock.sendall(frame(pickle.dumps("event")))
                 # The close below runs in the loop turn that sees the frame.
                 await anyio.lowlevel.checkpoint()
+
+
+async def test_a_cancelled_task_sees_its_cancellation_not_a_queue_closed_meanwhile() -> None:
+    # A cancelled run: its sinks' tasks end (closing their queues) before the collector's next
+    # send, which must end in the cancellation, as anyio's `send` does, not BrokenResourceError.
+    send, receive = anyio.create_memory_object_stream[int](4)
+    receive.close()
+    with anyio.CancelScope() as scope:
+        scope.cancel()
+        await _channel.send_soon(send, 1)
+    assert scope.cancelled_caught
+    with pytest.raises(anyio.BrokenResourceError):
+        await _channel.send_soon(send, 1)  # not cancelled: the closed queue is an error
+    send.close()
+    send, receive = anyio.create_memory_object_stream[int](4)
+    send.close()
+    with anyio.CancelScope() as scope:
+        scope.cancel()
+        await _channel.receive_soon(receive)
+    assert scope.cancelled_caught
+    with pytest.raises(anyio.EndOfStream):
+        await _channel.receive_soon(receive)
+    receive.close()

@@ -464,19 +464,24 @@ async def send_soon(stream: MemoryObjectSendStream[Any], item: Any) -> None:
     or three streams, and a short episode sends three: here a stream is used as a queue, and a
     task yields when it has to wait. Its buffer (tens of items) bounds how long it goes on
     without yielding.
+
+    Anything but an immediate success goes through ``send``, whose checkpoint comes first: a
+    cancelled task whose receiver is already gone (a cancelled run's sinks) sees its
+    cancellation, as with ``send``, not ``BrokenResourceError``.
     """
     try:
         stream.send_nowait(item)
-    except anyio.WouldBlock:
+    except (anyio.WouldBlock, anyio.BrokenResourceError, anyio.ClosedResourceError):
         await stream.send(item)
 
 
 async def receive_soon(stream: MemoryObjectReceiveStream[Any]) -> Any:
     """``await stream.receive()``, without yielding to the event loop when an item is waiting
-    (see ``send_soon``); raises ``anyio.EndOfStream`` once the stream is closed and empty."""
+    (see ``send_soon``, also for a cancelled task); raises ``anyio.EndOfStream`` once the stream
+    is closed and empty."""
     try:
         return stream.receive_nowait()
-    except anyio.WouldBlock:
+    except (anyio.WouldBlock, anyio.EndOfStream, anyio.ClosedResourceError):
         return await stream.receive()
 
 
