@@ -97,6 +97,20 @@ async def test_a_cancelled_call_kills_its_worker(tmp_path: Any) -> None:
     await pool.aclose()
 
 
+async def test_a_call_from_a_cancelled_task_leaves_the_idle_worker_alone() -> None:
+    # A run stopped (its first failure under "raise", or the user's cancel) just as one of its
+    # dispatchers takes its next episode: that call must not start, nor kill the idle worker.
+    pool = ForkPool(anyio.CapacityLimiter(1))
+    pid, _ = await pool.call(pid_plus, 0)
+    with anyio.CancelScope() as scope:
+        scope.cancel()
+        await pool.call(pid_plus, 0)
+    assert scope.cancelled_caught
+    assert pool.pids == {pid} and alive(pid)
+    assert (await pool.call(pid_plus, 0))[0] == pid
+    await pool.aclose()
+
+
 def echo_sum(blob: bytes) -> tuple[int, bytes]:
     return sum(blob[::4096]), blob[::-1]
 

@@ -28,6 +28,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 import anyio
+import anyio.lowlevel
 import anyio.to_thread
 from anyio import BrokenWorkerProcess
 
@@ -157,12 +158,14 @@ class ForkPool(WorkerPool):
 
     async def submit(self, fn: Callable[..., T], *args: Any) -> T:
         # A free slot is taken without a turn of the event loop (``async with limiter`` takes
-        # one, and a short episode's call makes few others).
+        # one, and a short episode's call makes few others); a cancelled task still stops
+        # here, before its call reaches a worker (and has it killed).
         try:
             self.limiter.acquire_nowait()
         except anyio.WouldBlock:
             await self.limiter.acquire()
         try:
+            await anyio.lowlevel.checkpoint_if_cancelled()
             if self._idle:
                 worker = self._idle.pop()
             else:
