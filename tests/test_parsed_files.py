@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import tempfile
 import threading
 import time
 import warnings
@@ -351,6 +352,52 @@ def test_a_worker_forked_while_another_thread_parses_does_not_wait_for_it() -> N
                 with _parsed.parsing_once():
                     env.reset(seed=0)
                 code = 0 if pandas.read_csv is original else 2
+            finally:
+                os._exit(code)
+    finally:
+        leave.set()
+        thread.join()
+        env.close()
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+
+
+def test_a_worker_forked_while_a_thread_first_uses_tempfile_does_not_wait_for_it(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A run's first channel folder cleanup asks tempfile for its folder in a thread while the
+    run's first worker may fork: that worker's first reset of a chronic not parsed before writes
+    it with ``tempfile.mkstemp``, which must not wait for the lock that thread held (it waited
+    forever: a README command hung in CI)."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # nothing parsed yet: written anew
+    env = make_env()
+    # A process that has not used tempfile yet: its first use takes tempfile's lock.
+    monkeypatch.setattr(tempfile, "tempdir", None)
+    monkeypatch.setattr(tempfile, "_name_sequence", None)
+    inside, leave = threading.Event(), threading.Event()
+
+    def first_use() -> None:
+        with tempfile._once_lock:  # type: ignore[attr-defined]  # what that first use holds
+            inside.set()
+            leave.wait()
+
+    thread = threading.Thread(target=first_use)
+    thread.start()
+    try:
+        assert inside.wait(10)
+        with warnings.catch_warnings():
+            # Python >= 3.12 warns that this process has threads: that is the case tested.
+            warnings.filterwarnings(
+                "ignore", "This process .* is multi-threaded", DeprecationWarning
+            )
+            pid = os.fork()
+        if pid == 0:  # pragma: no cover - the child (coverage does not follow os.fork)
+            code = 1
+            try:
+                signal.alarm(10)  # a reset waiting on the lock ends here, as a failure
+                with _parsed.parsing_once():
+                    env.reset(seed=0)
+                code = 0 if list(tmp_path.rglob("*.pickle")) else 2
             finally:
                 os._exit(code)
     finally:

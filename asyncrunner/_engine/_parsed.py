@@ -232,8 +232,14 @@ def _after_fork() -> None:
     # A forked worker starts with no thread inside parsing_once: a thread of its parent (another
     # runner's build, running while this worker forked) may have held the lock, or left pandas'
     # and pandapower's functions patched, in this copy of the process.
+    # Nor inside tempfile's first use: the lock it takes to pick the temporary folder and make
+    # its name generator may have been held by a thread of the parent at the fork (a run's first
+    # ``remove_stale_folders``, while its first worker forks), and ``_to_disk``'s ``mkstemp``
+    # would then wait for it forever, in the first reset of a chronic not parsed before.
     global _lock, _users
     _lock = threading.Lock()
+    if hasattr(tempfile, "_once_lock"):  # CPython's tempfile (3.11 to 3.13 at least)
+        tempfile._once_lock = threading.Lock()
     if _users:
         for qualified, original in _originals.items():
             module, name = qualified.rsplit(".", 1)
