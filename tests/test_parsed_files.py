@@ -3,6 +3,7 @@ built again, is not parsed again, and gives the same objects, so the same episod
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -10,6 +11,7 @@ import tempfile
 import threading
 import time
 import warnings
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -322,20 +324,20 @@ def test_the_grids_and_the_scores_share_the_cache_folder_the_readme_names(
     assert default_cache_dir() == str(tmp_path / "home" / ".cache" / "asyncrunner" / "scores")
 
 
-def test_a_worker_forked_while_another_thread_parses_does_not_wait_for_it() -> None:
-    """A worker forks from a thread of this process while another thread may be building an env
-    (another runner's, under ``parsing_once``): the worker's resets neither wait for that
-    thread's lock nor keep pandas patched after them."""
-    env = make_env()
-    original = pandas.read_csv
+def _reset_in_a_child_forked_while(
+    hold: Callable[[], Any], env: Any, ok: Callable[[], bool]
+) -> int:
+    """Fork while another thread is inside ``hold()`` (a context manager), reset ``env`` in the
+    child (10 s at most) and return its exit code: 0 when ``ok()`` there, 1 when the reset
+    failed or waited too long."""
     inside, leave = threading.Event(), threading.Event()
 
-    def parse() -> None:
-        with _parsed.parsing_once(), _parsed._lock:
+    def inside_hold() -> None:
+        with hold():
             inside.set()
             leave.wait()
 
-    thread = threading.Thread(target=parse)
+    thread = threading.Thread(target=inside_hold)
     thread.start()
     try:
         assert inside.wait(10)
@@ -348,18 +350,37 @@ def test_a_worker_forked_while_another_thread_parses_does_not_wait_for_it() -> N
         if pid == 0:  # pragma: no cover - the child (coverage does not follow os.fork)
             code = 1
             try:
-                signal.alarm(10)  # a reset waiting on the lock ends here, as a failure
+                signal.alarm(10)  # a reset waiting on a lock ends here, as a failure
                 with _parsed.parsing_once():
                     env.reset(seed=0)
-                code = 0 if pandas.read_csv is original else 2
+                code = 0 if ok() else 2
             finally:
                 os._exit(code)
     finally:
         leave.set()
         thread.join()
-        env.close()
     _, status = os.waitpid(pid, 0)
-    assert os.waitstatus_to_exitcode(status) == 0
+    return os.waitstatus_to_exitcode(status)
+
+
+def test_a_worker_forked_while_another_thread_parses_does_not_wait_for_it() -> None:
+    """A worker forks from a thread of this process while another thread may be building an env
+    (another runner's, under ``parsing_once``): the worker's resets neither wait for that
+    thread's lock nor keep pandas patched after them."""
+    env = make_env()
+    original = pandas.read_csv
+
+    @contextlib.contextmanager
+    def parsing() -> Iterator[None]:
+        with _parsed.parsing_once(), _parsed._lock:
+            yield
+
+    try:
+        assert (
+            _reset_in_a_child_forked_while(parsing, env, lambda: pandas.read_csv is original) == 0
+        )
+    finally:
+        env.close()
 
 
 def test_a_worker_forked_while_a_thread_first_uses_tempfile_does_not_wait_for_it(
@@ -374,35 +395,12 @@ def test_a_worker_forked_while_a_thread_first_uses_tempfile_does_not_wait_for_it
     # A process that has not used tempfile yet: its first use takes tempfile's lock.
     monkeypatch.setattr(tempfile, "tempdir", None)
     monkeypatch.setattr(tempfile, "_name_sequence", None)
-    inside, leave = threading.Event(), threading.Event()
-
-    def first_use() -> None:
-        with tempfile._once_lock:  # type: ignore[attr-defined]  # what that first use holds
-            inside.set()
-            leave.wait()
-
-    thread = threading.Thread(target=first_use)
-    thread.start()
     try:
-        assert inside.wait(10)
-        with warnings.catch_warnings():
-            # Python >= 3.12 warns that this process has threads: that is the case tested.
-            warnings.filterwarnings(
-                "ignore", "This process .* is multi-threaded", DeprecationWarning
-            )
-            pid = os.fork()
-        if pid == 0:  # pragma: no cover - the child (coverage does not follow os.fork)
-            code = 1
-            try:
-                signal.alarm(10)  # a reset waiting on the lock ends here, as a failure
-                with _parsed.parsing_once():
-                    env.reset(seed=0)
-                code = 0 if list(tmp_path.rglob("*.pickle")) else 2
-            finally:
-                os._exit(code)
+        code = _reset_in_a_child_forked_while(
+            lambda: tempfile._once_lock,  # type: ignore[attr-defined]  # what that first use holds
+            env,
+            lambda: any(tmp_path.rglob("*.pickle")),  # the parsed chronics were written
+        )
+        assert code == 0
     finally:
-        leave.set()
-        thread.join()
         env.close()
-    _, status = os.waitpid(pid, 0)
-    assert os.waitstatus_to_exitcode(status) == 0
