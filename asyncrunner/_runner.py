@@ -154,6 +154,12 @@ class AsyncRunner(AsyncResource):
         # An env built from the recipe's params and never played, held for forked workers
         # instead of a build here (compat gives the one grid2op's constructor built).
         self._lent_env: Any = None
+        # Whether the workers read each step's actions as grid2op's Runner does when it records
+        # an episode (``RunSettings.record``): always, so that a run gives the same results
+        # whether it saves or not, those of grid2op's Runner with one process (which records
+        # every episode). compat turns it off where grid2op's Runner records nothing (several
+        # processes, nothing saved or detailed); the runs whose workers fill rows record anyway.
+        self._record_steps = True
 
     # --- the pool ------------------------------------------------------------------------------
 
@@ -315,6 +321,7 @@ class AsyncRunner(AsyncResource):
             env_for=self._env_for,
             spaces=await self._spaces() if detail or files else {},
             files=files,
+            record=self._record_steps or detail or bool(files),
         )
         return Run(self._get_pool(), requests, settings, skipped=skipped)
 

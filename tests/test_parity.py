@@ -76,6 +76,56 @@ async def test_idf_2023_opponent_on_a_reused_worker(
     assert [r.as_tuple() for r in results] == expected
 
 
+# An env with detachment: an action whose detachment arrays are not built yet (grid2op builds them
+# on first read) counts every substation with a load as changed, so RandomAgent's actions, reused
+# from step to step, turn illegal until something reads them. grid2op's Runner reads each step's
+# actions with ``to_vect`` when it records an episode: always with one process, with several only
+# when it saves or details. Two episodes of chronic 0, whose course differs from step 21 to 30.
+DETACHED_RUN: dict[str, Any] = dict(
+    nb_episode=2, env_seeds=[11, 11], agent_seeds=[21, 21], episode_id=[0, 0], max_iter=30
+)
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_actions_are_read_as_grid2op_reads_them_when_it_records(tmp_path: Path) -> None:
+    env = make_env(allow_detachment=True)
+    recorded = _reference(env, RandomAgent, path_save=tmp_path / "grid2op", **DETACHED_RUN)
+    assert recorded == _reference(env, RandomAgent, **DETACHED_RUN)  # one process: recorded
+    runner = grid2ops(Runner, **env.get_params_for_runner(), agentClass=RandomAgent)
+    unread = grid2ops(runner.run_one_episode, env_seed=11, agent_seed=21, max_iter=30)
+    assert _key(unread) != recorded[0]  # the reading changes the episode
+    # The same results whether the run saves or not, and the same saved arrays.
+    async with AsyncRunner(env, agent=RandomAgent, workers=1) as ours:
+        assert [_key(r) for r in await ours.run(**DETACHED_RUN)] == recorded
+        saved = await ours.run(path_save=tmp_path / "ours", **DETACHED_RUN)
+    assert [_key(r) for r in saved] == recorded
+    assert saved[1].path is not None
+    assert _same_folder(Path(saved[1].path), tmp_path / "grid2op" / "0000") == []
+    env.close()
+
+
+def test_compat_reads_actions_when_grid2op_records(tmp_path: Path) -> None:
+    env = make_env(allow_detachment=True)
+    params = env.get_params_for_runner()
+    theirs = grid2ops(Runner, **params, agentClass=RandomAgent)
+    compat = asyncrunner.compat.Runner(**params, agentClass=RandomAgent)
+    one: dict[str, Any] = dict(indx=0, env_seed=11, agent_seed=21, max_iter=30)
+    calls: list[dict[str, Any]] = [
+        dict(nb_process=1),  # grid2op's sequential mode records every episode
+        dict(nb_process=2),  # records nothing
+        dict(nb_process=2, path_save=str(tmp_path / "grid2op")),
+    ]
+    expected = [[_key(r) for r in grid2ops(theirs.run, **DETACHED_RUN, **c)] for c in calls]
+    assert expected[0] != expected[1] == [_key(grid2ops(theirs.run_one_episode, **one))] * 2
+    assert expected[2] == expected[0]
+    calls[2]["path_save"] = str(tmp_path / "ours")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert [[_key(r) for r in compat.run(**DETACHED_RUN, **c)] for c in calls] == expected
+        assert _key(compat.run_one_episode(**one)) == expected[1][0]  # records nothing
+    env.close()
+
+
 def test_reward_instances_keep_their_parameters() -> None:
     # Other rewards given as instances (as grid2op's scores give their scores_func) reach the
     # episode as they are, not rebuilt from their class.

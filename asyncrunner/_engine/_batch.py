@@ -44,7 +44,8 @@ def _to_float(value: Any) -> float:
 
 
 def fill(row: np.ndarray, obj: Any) -> None:
-    """``row[:] = obj.to_vect()`` for an observation or an action, without intermediate arrays.
+    """``row[:] = obj.to_vect()`` for an observation or the env's action, without intermediate
+    arrays (nor the vector ``to_vect`` keeps in the object).
 
     Each class's attributes are laid out once (``_layout``): a run of one-dimensional arrays is
     concatenated straight into its part of the row, three times as fast as one attribute at a time
@@ -227,6 +228,9 @@ class Batcher:
 
         self.job, self.send, self.keep = job, send, keep
         self.wide = job.detail or keep is not None  # the wide rows are filled
+        # Each step's actions read as grid2op's Runner reads them when it records an episode
+        # (``RunSettings.record``); the wide rows hold what that reading gives.
+        self.record = job.record or self.wide
         self.capacity = _BATCH_STEPS if job.detail else _QUIET_STEPS
         self.every = _BATCH_SECONDS if job.detail else _QUIET_SECONDS
         n = _BATCH_STEPS if self.wide else 0
@@ -259,15 +263,20 @@ class Batcher:
         agent_time: float,
         names: tuple[str, ...],
     ) -> None:
+        if self.record:
+            # grid2op's EpisodeData.incr_store: ``to_vect``, which builds the attributes an
+            # action builds on first read: the agent's action (which it may play again) and the
+            # opponent's attack (its opponent may too) play on read so. The env's action, which
+            # it reads too, is a new one at each step (BaseEnv._update_actions) before anything
+            # reads the last: ``fill`` reads it without building them, as the observation.
+            action = act.to_vect()
+            attacked = None if attack is None else attack.to_vect()
         if self.wide:
             w = self.w
-            fill(self.actions[w], act)
+            self.actions[w] = action
             fill(self.env_actions[w], env._env_modification)
             fill(self.observations[w], obs)
-            if attack is not None:
-                fill(self.attacks[w], attack)
-            else:
-                self.attacks[w] = 0.0
+            self.attacks[w] = 0.0 if attacked is None else attacked
             if "disc_lines" in info:
                 arr = info["disc_lines"]
                 self.disc_lines[w] = arr if arr is not None else self.disc_templ

@@ -52,7 +52,12 @@ class RunSettings:
     agent's recorded name; ``central``: the ``CentralAgent`` serving the workers, if any;
     ``env_for(mix)``: the parent's env of a mix; ``spaces``: ``RunStarted.spaces``; ``detail``:
     whether the workers send the steps' arrays; ``files``: the episode file formats they build
-    (``Sink.episode_format``).
+    (``Sink.episode_format``); ``record``: whether the workers read each step's actions (the
+    agent's, the env's, the opponent's) with grid2op's ``to_vect``, as grid2op's Runner does
+    whenever it records an episode (``EpisodeData.incr_store``): that call builds the attributes
+    an action builds on first read, and an action read so plays differently afterwards on some
+    envs (on an env with ``allow_detachment=True``, an action whose detachment arrays are not
+    built counts every substation with a load as changed: more actions are illegal).
     """
 
     sinks: Sequence[Sink]
@@ -66,6 +71,7 @@ class RunSettings:
     env_for: Callable[[str | None], Any]
     spaces: Mapping[str, Any]
     files: tuple[str, ...] = ()
+    record: bool = True
 
 
 class Run:
@@ -295,6 +301,7 @@ class Run:
             init_state=request.init_state,
             reset_options=request.reset_options,
             detail=self.detail,
+            record=self.settings.record,
             files=self.settings.files,
             stages={
                 f: stage for (f, mix), stage in self._stages.items() if mix in (None, request.mix)

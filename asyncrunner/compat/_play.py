@@ -35,8 +35,16 @@ def play(
     detailed: bool,
     nb_highres: bool,
     raw_reward: bool,
+    sequential: bool,
 ) -> list[tuple[Any, ...]]:
-    """Play the episodes (grid2op's chronic ids and reset options) on the async core."""
+    """Play the episodes (grid2op's chronic ids and reset options) on the async core.
+
+    ``sequential``: grid2op's Runner would play them in its sequential mode, which records every
+    episode (``run_one_episode(detailed_output=True)``); otherwise it records those it saves or
+    details, and all of them with ``CompactEpisodeData``. A recorded episode's actions are read
+    with ``to_vect`` at each step, which changes how they play on some envs
+    (``RunSettings.record``): the workers do the same exactly when grid2op would.
+    """
     nb_episode = len(ids)
     if max_iter is not None and max_iter < 1 and max_iter != -1:
         raise EnvError("'max_iter' should be an int >= 1 or -1")
@@ -67,6 +75,8 @@ def play(
         reset_options=core_options,
         sinks=sinks,
         add_detailed_output=("compact" if compact else True) if detailed else False,
+        # Taken by ``call``, not a run option.
+        _record_steps=sequential or path_save is not None or detailed or compact,
     )
     results = runner._ar_call(nb_process, nb_episode, kwargs)
     return [
@@ -95,11 +105,14 @@ def call(
 ) -> list[EpisodeResult]:
     """Run ``kwargs`` (``AsyncRunner.run``'s) on the runner's pool: kept across calls in a
     ``with`` block, else started and stopped here."""
+    kwargs = dict(kwargs)
+    record = kwargs.pop("_record_steps", True)
     view = env_view(runner, runner._ar_template())
     agent = AgentClass(runner.agentClass) if runner._useclass else runner.agent
     keep = runner._ar_keep
     workers = nb_process if keep else min(nb_process, nb_episode)
     core = AsyncRunner(view, agent=agent, workers=workers)
+    core._record_steps = record
     if runner._ar_env_key == env_key(view):
         # The env grid2op's constructor built from these very parameters, never played: the
         # pristine env forked workers start with, rather than a second build here.

@@ -255,6 +255,7 @@ class Runner(_GridRunner):  # type: ignore[misc]  # grid2op is untyped (Any base
             detailed=detailed_output,
             nb_highres=add_nb_highres_sim,
             raw_reward=True,
+            sequential=False,
         )
         return result
 
@@ -384,6 +385,7 @@ class Runner(_GridRunner):  # type: ignore[misc]  # grid2op is untyped (Any base
             detailed=add_detailed_output,
             nb_highres=add_nb_highres_sim,
             raw_reward=False,
+            sequential=nb_process == 1,
         )
 
     def _ar_call(
