@@ -213,10 +213,12 @@ def _check_id(ep_id: Any, names: list[str] | None) -> int | str:
     if not is_integer(ep_id):
         raise TypeError(f"episode ids must be integers or chronic names, got {ep_id!r}")
     value = int(ep_id)
-    if value < 0 or (names is not None and value >= len(names)):
-        count = "?" if names is None else len(names)
+    if value < 0:
+        raise ValueError(f"episode id {value} is out of range: ids start at 0")
+    if names is not None and value >= len(names):
         raise ValueError(
-            f"episode id {value} is out of range: this env has {count} chronics (ids 0..{count}-1)"
+            f"episode id {value} is out of range: this env has {len(names)} chronics, ids 0 to "
+            f"{len(names) - 1} (or give a chronic's name)"
         )
     return value
 
