@@ -52,9 +52,9 @@ class RunSettings:
     agent's recorded name; ``central``: the ``CentralAgent`` serving the workers, if any;
     ``env_for(mix)``: the parent's env of a mix; ``spaces``: ``RunStarted.spaces``; ``detail``:
     whether the workers send the steps' arrays; ``files``: the episode file formats they build
-    (``Sink.episode_format``); ``record``: whether the workers read each step's actions (the
-    agent's, the env's, the opponent's) with grid2op's ``to_vect``, as grid2op's Runner does
-    whenever it records an episode (``EpisodeData.incr_store``): that call builds the attributes
+    (``Sink.episode_format``); ``record``: whether the workers read each step's agent's action
+    and opponent's attack with grid2op's ``to_vect``, as grid2op's Runner does whenever it
+    records an episode (``EpisodeData.incr_store``): that call builds the attributes
     an action builds on first read, and an action read so plays differently afterwards on some
     envs (on an env with ``allow_detachment=True``, an action whose detachment arrays are not
     built counts every substation with a load as changed: more actions are illegal).
