@@ -158,7 +158,7 @@ class AsyncRunner(AsyncResource):
         # an episode (``RunSettings.record``): always, so that a run gives the same results
         # whether it saves or not, those of grid2op's Runner with one process (which records
         # every episode). compat turns it off where grid2op's Runner records nothing (several
-        # processes, nothing saved or detailed); the runs whose workers fill rows record anyway.
+        # processes, nothing saved or detailed); workers that fill rows record anyway (Batcher).
         self._record_steps = True
 
     # --- the pool ------------------------------------------------------------------------------
@@ -321,7 +321,7 @@ class AsyncRunner(AsyncResource):
             env_for=self._env_for,
             spaces=await self._spaces() if detail or files else {},
             files=files,
-            record=self._record_steps or detail or bool(files),
+            record=self._record_steps,
         )
         return Run(self._get_pool(), requests, settings, skipped=skipped)
 

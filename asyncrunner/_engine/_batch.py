@@ -229,7 +229,8 @@ class Batcher:
         self.job, self.send, self.keep = job, send, keep
         self.wide = job.detail or keep is not None  # the wide rows are filled
         # Each step's actions read as grid2op's Runner reads them when it records an episode
-        # (``RunSettings.record``); the wide rows hold what that reading gives.
+        # (``RunSettings.record``), and always when the rows are filled (grid2op records what
+        # it saves or details): the wide rows hold what that reading gives.
         self.record = job.record or self.wide
         self.capacity = _BATCH_STEPS if job.detail else _QUIET_STEPS
         self.every = _BATCH_SECONDS if job.detail else _QUIET_SECONDS
