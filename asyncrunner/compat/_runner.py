@@ -31,8 +31,10 @@ Where it differs from grid2op's Runner:
   folder is either the old episode or the new one, never a mix.
 - An agent instance (``agentInstance=``) is copied to the worker processes, as grid2op does with
   ``nb_process > 1``: what an episode changes in the agent does not reach the instance held here.
-  Each episode plays a copy of the instance as given (grid2op copies, in each of its processes,
-  the copy the previous episode played).
+  Each episode plays a shallow copy of the instance its worker received (grid2op copies, in each
+  of its processes, the copy the previous episode played): attributes an episode sets start
+  again at the next one, objects it changes in place (a list, actions grid2op builds as it
+  records them) are shared by the episodes of a worker, as by those of a grid2op process.
   An agent class is built in the workers with the class attributes it has here (as in a forked
   process: ``OneChangeThenNothing.gen_next(...)`` works).
 - Workers build the env from the runner's parameters; what they cannot import (agents, solvers,
