@@ -242,6 +242,9 @@ async def test_a_killed_runs_temporary_folder_is_removed_not_a_live_ones(
         (dict(reset_options={"thermal limit": [1.0, 2.0]}), ValueError, "the grid has 20 lines"),
         (dict(reset_options={"thermal limit": ["a"] * 20}), ValueError, "must hold numbers"),
         (dict(reset_options={"thermal limit": {"nope": 1.0}}), ValueError, "not one of"),
+        (dict(reset_options={"thermal limit": {"0_1_0": 1.0}}), ValueError, "misses 19 of 20"),
+        (dict(reset_options={"thermal limit": {"0_1_0": "x"}}), ValueError, "finite numbers"),
+        (dict(reset_options={"thermal limit": {"0_1_0": float("nan")}}), ValueError, "finite"),
         (dict(init_states={"set_line_status": "x"}), ValueError, "not an action of this env"),
         (dict(init_states={"bogus": 1}), ValueError, "not an action of this env"),
         (
@@ -270,6 +273,9 @@ async def test_numpy_integers_and_good_reset_values_are_accepted(
         "init datetime": "2019-01-06 00:00",
         "thermal limit": list(case14.get_thermal_limit() * 2),
     }
+    # a dict naming every line (one naming only some is refused: grid2op leaves the rest NaN)
+    limits = case14.get_thermal_limit().tolist()
+    every_line = dict(zip(map(str, case14.name_line), limits, strict=True))
     numpy: dict[str, Any] = dict(  # what grid2op's Runner takes too
         max_iter=np.int64(4),
         env_seeds=np.array([5, 6]),
@@ -280,7 +286,7 @@ async def test_numpy_integers_and_good_reset_values_are_accepted(
     with anyio.fail_after(TIMEOUT):
         results = await runner.run(
             np.int64(2),  # type: ignore[arg-type]  # an Integral, not an int
-            reset_options=[options, {"max step": -1}],
+            reset_options=[options, {"max step": -1, "thermal limit": every_line}],
             init_states={"set_line_status": [(0, -1)]},
             **numpy,
         )

@@ -252,11 +252,21 @@ def _check_thermal_limit(value: Any, env: Any) -> None:
                     f"{what} keys must be line names; {key!r} is not one of {lines[:4]}..."
                 )
             try:
-                float(limit)
+                finite = np.isfinite(float(limit))
             except (TypeError, ValueError):
+                finite = False
+            if not finite:
                 raise ValueError(
-                    f"{what} values must be numbers (amps), got {limit!r} for line {key!r}"
-                ) from None
+                    f"{what} values must be finite numbers (amps), got {limit!r} for line {key!r}"
+                )
+        # grid2op leaves a line the dict does not name without a limit (NaN) and then refuses it
+        missing = [line for line in lines if line not in value]
+        if missing:
+            shown = ", ".join(missing[:4]) + (", ..." if len(missing) > 4 else "")
+            raise ValueError(
+                f"{what} as a dict must give every line's limit; it misses {len(missing)} of "
+                f"{len(lines)} lines ({shown}): name them all, or give a list with one limit per line"
+            )
         return
     if not isinstance(value, (np.ndarray, list)):
         raise ValueError(
