@@ -68,6 +68,7 @@ def test_config(report: dict[str, Any]) -> None:
         "config",
         "lag_probe",
         "bare_loop",
+        "bare_loops_at_once",
         "grid2op",
         "asyncrunner",
         "ratios",
@@ -107,6 +108,9 @@ def test_lag_probe(report: dict[str, Any]) -> None:
 def test_contenders(report: dict[str, Any]) -> None:
     # DoNothing on case14 lasts the 10 steps of max_iter: the same work for every contender.
     _check_timing(report["bare_loop"], 2, 20)
+    # two forked loops, an episode each (Linux, where the bench's CI runs)
+    _check_timing(report["bare_loops_at_once"], 2, 20)
+    assert report["bare_loops_at_once"]["processes"] == 2
     _check_timing(report["grid2op"], 2, 20)
     assert report["grid2op"]["nb_process"] == 2
     assert set(report["asyncrunner"]) == set(RUNS)
@@ -141,9 +145,17 @@ def test_figures(report: dict[str, Any]) -> None:
         "warm_vs_grid2op",
         "cold_vs_bare",
         "warm_vs_bare",
+        "cold_vs_bare_at_once",
+        "warm_vs_bare_at_once",
+        "bare_at_once_vs_bare",
         "all_sinks_vs_no_sinks",
     }
     assert all(isinstance(v, float) and v > 0 for v in ratios.values())
+    at_once, bare = report["bare_loops_at_once"]["steps_per_s"], report["bare_loop"]["steps_per_s"]
+    assert ratios["bare_at_once_vs_bare"] == pytest.approx(at_once / (2 * bare))
+    assert ratios["warm_vs_bare_at_once"] == pytest.approx(
+        report["asyncrunner"]["warm"]["steps_per_s"] / at_once
+    )
     projection = report["projection"]
     assert set(projection) == {
         "parent_cpu_us_per_step",
@@ -196,6 +208,8 @@ def test_table(report: dict[str, Any], capsys: pytest.CaptureFixture[str]) -> No
     out = capsys.readouterr().out
     for text in (
         "bare loop",
+        "2 bare loops at once",
+        "AsyncRunner / (2 bare loops at once)",
         "grid2op Runner",
         "AsyncRunner cold",
         "AsyncRunner warm",
@@ -239,6 +253,8 @@ def test_skip_grid2op_no_probe_trio_copy_env() -> None:
     assert report["lag_probe"] == {"enabled": False, "tick_ms": 1.0, "cpu_us_per_wakeup": None}
     steps = report["bare_loop"]["steps"]
     assert 1 <= steps <= 5
+    assert report["bare_loops_at_once"]["processes"] == 1
+    assert report["bare_loops_at_once"]["steps"] == steps
     for name in RUNS:
         part = report["asyncrunner"][name]
         assert part["loop_lag_ms"] is None

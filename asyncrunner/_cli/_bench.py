@@ -53,6 +53,7 @@ from ._bench_contenders import (
     Timing,
     asyncrunner_runs,
     bare_loop,
+    bare_loops_at_once,
     grid2op_runner,
     progress,
 )
@@ -282,6 +283,8 @@ def _bench(args: argparse.Namespace) -> dict[str, Any]:
                 first_line(f"{type(exc).__name__}: {exc}"), traceback.format_exc()
             ) from None
         report["bare_loop"] = bare.as_dict()
+        progress(f"bare loop: {plan.workers} of them at once, in forked processes")
+        report["bare_loops_at_once"] = bare_loops_at_once(env, agent, plan)
         g2op: Timing | None = None
         g2op_results: list[tuple[str, int, float]] | None = None
         if not args.skip_grid2op:

@@ -23,6 +23,7 @@ __all__ = [
     "Timing",
     "asyncrunner_runs",
     "bare_loop",
+    "bare_loops_at_once",
     "grid2op_runner",
     "progress",
 ]
@@ -129,6 +130,61 @@ def bare_loop(env: Any, agent: Any, plan: Plan) -> tuple[Timing, list[tuple[str,
             episode.close()
     timing = Timing(elapsed, plan.nb_episode, sum(r[1] for r in results))
     return timing, results
+
+
+def bare_loops_at_once(env: Any, agent: Any, plan: Plan) -> dict[str, Any] | None:
+    """``plan.workers`` bare loops at once, in forked processes, the episodes dealt round-robin:
+    what this machine gives N busy processes (the limit assumes N times one loop). ``None``
+    where processes cannot be forked (see ``ForkPool``) or a loop failed."""
+    import multiprocessing
+
+    from .._pools._fork import available
+
+    if not available():
+        return None
+    context = multiprocessing.get_context("fork")
+    queue = context.SimpleQueue()
+    shares = [list(range(k, plan.nb_episode, plan.workers)) for k in range(plan.workers)]
+    shares = [share for share in shares if share]
+    loops = [
+        context.Process(target=_bare_share, args=(env, agent, plan, share, queue), daemon=True)
+        for share in shares
+    ]
+    for loop in loops:
+        loop.start()
+    timings = [queue.get() for _ in loops]
+    for loop in loops:
+        loop.join()
+    if any(timing is None for timing in timings):
+        return None
+    steps = sum(timing["steps"] for timing in timings)
+    rate = sum(timing["steps_per_s"] for timing in timings)  # each loop's, added up
+    return {
+        "seconds": max(timing["seconds"] for timing in timings),
+        "episodes": plan.nb_episode,
+        "steps": steps,
+        "steps_per_s": finite(rate),
+        "episodes_per_s": finite(rate * plan.nb_episode / steps) if steps else None,
+        "processes": len(loops),
+    }
+
+
+def _bare_share(env: Any, agent: Any, plan: Plan, share: list[int], queue: Any) -> None:
+    """A forked process's bare loop over the episodes ``share``; its timing into ``queue``."""
+    ids = plan.episode_ids
+    mine = Plan(
+        nb_episode=len(share),
+        workers=1,
+        max_iter=plan.max_iter,
+        episode_ids=None if ids is None else [ids[i] for i in share],
+        env_seeds=[plan.env_seeds[i] for i in share],
+        agent_seeds=[plan.agent_seeds[i] for i in share],
+    )
+    try:
+        timing = bare_loop(env, agent, mine)[0].as_dict()
+    except Exception:
+        timing = None  # no figure: the one-process loop, played first, reports what fails
+    queue.put(timing)
 
 
 def grid2op_runner(env: Any, agent: Any, plan: Plan) -> tuple[Timing, list[tuple[str, int, float]]]:

@@ -31,8 +31,17 @@ def figure(report: dict[str, Any]) -> Any:
     bars.barh([label for label, _ in rows], [rate or 0 for _, rate in rows], color="tab:blue")
     bars.invert_yaxis()
     limit = report["sweep"][-1]["limit_steps_per_s"]
+    at_once = report["bare_loops_at_once"]
     if limit is not None:
         bars.axvline(limit, color="tab:red", linestyle="--", label=f"limit: {n} × bare loop")
+    if at_once is not None:
+        bars.axvline(
+            at_once["steps_per_s"],
+            color="tab:orange",
+            linestyle=":",
+            label=f"{n} bare loops at once",
+        )
+    if limit is not None or at_once is not None:
         bars.legend(loc="lower right")
     bars.set(
         xlabel="steps/s",
