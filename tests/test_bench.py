@@ -6,6 +6,7 @@ No timing is asserted: benchmarks are not tests.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from typing import Any
@@ -255,6 +256,9 @@ def test_skip_grid2op_no_probe_trio_copy_env() -> None:
     assert 1 <= steps <= 5
     assert report["bare_loops_at_once"]["processes"] == 1
     assert report["bare_loops_at_once"]["steps"] == steps
+    assert report["ratios"]["bare_at_once_vs_bare"] == pytest.approx(
+        report["bare_loops_at_once"]["steps_per_s"] / report["bare_loop"]["steps_per_s"]
+    )
     for name in RUNS:
         part = report["asyncrunner"][name]
         assert part["loop_lag_ms"] is None
@@ -344,3 +348,30 @@ def test_the_bare_loop_plays_what_grid2op_plays(wheel_env: Any, grid2op_referenc
         (name, steps, repr(reward)) for _, name, reward, steps, _ in expected
     ]
     assert [steps for _, steps, _ in played] == [123, 300]
+
+
+class _DiesAtFirstAct:  # an agent class whose first act ends its process
+    def __init__(self, action_space: Any) -> None:
+        pass
+
+    def seed(self, seed: int) -> None:
+        pass
+
+    def reset(self, obs: Any) -> None:
+        pass
+
+    def act(self, *args: Any) -> Any:
+        os._exit(3)
+
+
+def test_bare_loops_at_once_share_the_episodes_and_survive_a_dead_loop(env: Any) -> None:
+    from grid2op.Agent import DoNothingAgent
+
+    from asyncrunner._cli._bench_contenders import Plan, bare_loops_at_once
+
+    plan = Plan(3, 2, 5, [0, 1, 0], [1, 2, 3], [4, 5, 6])
+    timing = bare_loops_at_once(env, DoNothingAgent, plan)
+    assert timing is not None
+    assert (timing["processes"], timing["episodes"], timing["steps"]) == (2, 3, 15)
+    # a loop whose process dies sends nothing: no figure, and the bench goes on
+    assert bare_loops_at_once(env, _DiesAtFirstAct, plan) is None

@@ -143,19 +143,24 @@ def bare_loops_at_once(env: Any, agent: Any, plan: Plan) -> dict[str, Any] | Non
     if not available():
         return None
     context = multiprocessing.get_context("fork")
-    queue = context.SimpleQueue()
     shares = [list(range(k, plan.nb_episode, plan.workers)) for k in range(plan.workers)]
-    shares = [share for share in shares if share]
-    loops = [
-        context.Process(target=_bare_share, args=(env, agent, plan, share, queue), daemon=True)
-        for share in shares
-    ]
-    for loop in loops:
+    loops = []
+    for share in filter(None, shares):
+        receive, send = context.Pipe(duplex=False)
+        loop = context.Process(target=_bare_share, args=(env, agent, plan, share, send))
         loop.start()
-    timings = [queue.get() for _ in loops]
-    for loop in loops:
+        send.close()
+        loops.append((loop, receive))
+    received: list[dict[str, Any] | None] = []
+    for loop, receive in loops:
+        try:
+            received.append(receive.recv())
+        except EOFError:  # the loop's process died before it sent its timing
+            received.append(None)
         loop.join()
-    if any(timing is None for timing in timings):
+        receive.close()
+    timings = [timing for timing in received if timing is not None]
+    if len(timings) < len(received):
         return None
     steps = sum(timing["steps"] for timing in timings)
     rate = sum(timing["steps_per_s"] for timing in timings)  # each loop's, added up
@@ -169,8 +174,8 @@ def bare_loops_at_once(env: Any, agent: Any, plan: Plan) -> dict[str, Any] | Non
     }
 
 
-def _bare_share(env: Any, agent: Any, plan: Plan, share: list[int], queue: Any) -> None:
-    """A forked process's bare loop over the episodes ``share``; its timing into ``queue``."""
+def _bare_share(env: Any, agent: Any, plan: Plan, share: list[int], send: Any) -> None:
+    """A forked process's bare loop over the episodes ``share``; its timing into ``send``."""
     ids = plan.episode_ids
     mine = Plan(
         nb_episode=len(share),
@@ -184,7 +189,7 @@ def _bare_share(env: Any, agent: Any, plan: Plan, share: list[int], queue: Any) 
         timing = bare_loop(env, agent, mine)[0].as_dict()
     except Exception:
         timing = None  # no figure: the one-process loop, played first, reports what fails
-    queue.put(timing)
+    send.send(timing)
 
 
 def grid2op_runner(env: Any, agent: Any, plan: Plan) -> tuple[Timing, list[tuple[str, int, float]]]:

@@ -19,7 +19,8 @@ milliseconds; ``null`` where a figure was not measured, e.g. ``grid2op`` under `
 - ``bare_loops_at_once``: N bare loops played at once in forked processes, the episodes dealt
   round-robin (what this machine gives N busy processes; the limit assumes N times one loop): a
   timing whose ``steps_per_s`` adds up each loop's and ``seconds`` is the longest loop's, plus
-  ``processes``; null where processes cannot be forked (not Linux) or a loop failed.
+  ``processes`` (N, or fewer with fewer episodes); null where processes cannot be forked (not
+  Linux) or a loop failed.
 - ``asyncrunner``: ``cold``, ``warm``, ``warm_no_sinks``, ``warm_all_sinks``: each a timing plus
   ``loop_lag_ms`` (``p50``, ``p99``, ``max``, ``samples``: the 1 ms ticker's wake-up delays
   beside the same run in the lag pass; null under ``--no-lag-probe``); ``first_step_s`` (for each worker that played, seconds from
@@ -36,7 +37,8 @@ milliseconds; ``null`` where a figure was not measured, e.g. ``grid2op`` under `
 - ``ratios``: ``cold_vs_grid2op``, ``warm_vs_grid2op`` (AsyncRunner steps/s over grid2op's),
   ``cold_vs_bare``, ``warm_vs_bare`` (AsyncRunner steps/s over N × the bare loop's),
   ``cold_vs_bare_at_once``, ``warm_vs_bare_at_once`` (over N bare loops at once),
-  ``bare_at_once_vs_bare`` (N bare loops at once over N × one: how far the machine scales),
+  ``bare_at_once_vs_bare`` (the loops at once over that many × one: how far the machine
+  scales),
   ``all_sinks_vs_no_sinks`` (steps/s with every sink over steps/s with none).
 - ``projection``: how many workers one orchestrating process can feed, from the warm run with
   ``path_save``: ``parent_cpu_us_per_step``, ``steps_per_s_per_worker`` (its steps/s over N),
@@ -116,7 +118,9 @@ def ratios(report: dict[str, Any], workers: int) -> dict[str, float | None]:
     bare = _steps_per_s(report["bare_loop"])
     limit = None if bare is None else workers * bare
     g2op = _steps_per_s(report["grid2op"])
-    at_once = _steps_per_s(report["bare_loops_at_once"])
+    loops = report["bare_loops_at_once"]
+    at_once = _steps_per_s(loops)
+    one = None if bare is None or loops is None else loops["processes"] * bare
     cold, warm = _steps_per_s(ours["cold"]), _steps_per_s(ours["warm"])
     return {
         "cold_vs_grid2op": _ratio(cold, g2op),
@@ -125,7 +129,7 @@ def ratios(report: dict[str, Any], workers: int) -> dict[str, float | None]:
         "warm_vs_bare": _ratio(warm, limit),
         "cold_vs_bare_at_once": _ratio(cold, at_once),
         "warm_vs_bare_at_once": _ratio(warm, at_once),
-        "bare_at_once_vs_bare": _ratio(at_once, limit),
+        "bare_at_once_vs_bare": _ratio(at_once, one),
         "all_sinks_vs_no_sinks": _ratio(
             _steps_per_s(ours["warm_all_sinks"]), _steps_per_s(ours["warm_no_sinks"])
         ),
@@ -273,7 +277,7 @@ def print_report(report: dict[str, Any]) -> None:
     print()
     rows = [
         ("bare loop (1 process, no saving)", report["bare_loop"]),
-        (f"{n} bare loops at once ({n} processes)", report["bare_loops_at_once"]),
+        (f"{n} bare loops at once (forked processes)", report["bare_loops_at_once"]),
         (f"grid2op Runner (nb_process={n}, path_save)", report["grid2op"]),
         (f"AsyncRunner cold (workers={n}, path_save)", ours["cold"]),
         ("AsyncRunner warm (path_save)", ours["warm"]),
@@ -319,10 +323,11 @@ def print_report(report: dict[str, Any]) -> None:
     ):
         cold, warm = ratios[f"cold_vs_{key}"], ratios[f"warm_vs_{key}"]
         print(f"{label:{width}}  {_num(cold, '.2f', '×'):>8}  {_num(warm, '.2f', '×'):>7}")
-    if ratios["bare_at_once_vs_bare"] is not None:
+    k = 0 if report["bare_loops_at_once"] is None else report["bare_loops_at_once"]["processes"]
+    if ratios["bare_at_once_vs_bare"] is not None and k > 1:
         print(
-            f"({n} bare loops at once ran at {ratios['bare_at_once_vs_bare']:.2f}× {n} times one: "
-            f"what this machine gives {n} busy processes, against the limit's 1.00×)"
+            f"({k} bare loops at once ran at {ratios['bare_at_once_vs_bare']:.2f}× {k} times one: "
+            f"what this machine gives {k} busy processes, against the limit's 1.00×)"
         )
     if any(part is not None for part in ours.values()):
         print()
