@@ -22,9 +22,9 @@ import grid2op
 import numpy as np
 import pytest
 from grid2op.Agent import DoNothingAgent, RandomAgent
-from grid2op.Chronics import FromHandlers, MultifolderWithCache
+from grid2op.Chronics import FromHandlers, FromNPY, MultifolderWithCache
 from grid2op.Chronics.handlers import CSVHandler, JSONMaintenanceHandler, NoisyForecastHandler
-from grid2op.Reward import FlatReward
+from grid2op.Reward import BaseReward, FlatReward
 from grid2op.Runner import Runner
 
 import asyncrunner.compat
@@ -143,6 +143,68 @@ def test_reward_instances_keep_their_parameters() -> None:
     flat = [[step["flat"] for step in r[-1].other_rewards] for r in results]
     assert flat == [[step["flat"] for step in r[-1].other_rewards] for r in expected]
     assert flat[-1] == [7.0] * 5
+    env.close()
+
+
+class RhoSquared(BaseReward):  # type: ignore[misc]  # grid2op is untyped
+    """A reward class of the caller's own: the sum of the lines' rho squared,
+    -3 for an illegal, ambiguous or failed step."""
+
+    def __call__(self, action: Any, env: Any, has_error: bool, is_done: bool, *flags: bool) -> Any:
+        if has_error or any(flags):
+            return -3.0
+        return float(np.sum(env.get_obs().rho ** 2))
+
+
+def _changed_by_hand() -> Any:
+    """case14 changed the ways a user changes an env before a run: lower thermal limits, other
+    parameters (taken at the next reset), a shorter episode, no forecasts, played a little."""
+    env = make_env()
+    env.set_thermal_limit(env.get_thermal_limit() * 0.85)
+    params = env.parameters
+    params.HARD_OVERFLOW_THRESHOLD = 1.5
+    params.NB_TIMESTEP_OVERFLOW_ALLOWED = 1
+    env.change_parameters(params)
+    env.set_max_iter(9)
+    env.deactivate_forecast()
+    env.reset(seed=3)
+    env.step(env.action_space())
+    return env
+
+
+def _fed_from_arrays() -> Any:
+    """case14 fed from the caller's arrays (``FromNPY``: one unnamed chronic of 20 steps), with a
+    reward class of the caller's own and another among its other rewards."""
+    source = make_env()
+    obs = source.reset(seed=0)
+    source.close()
+    wave = 1.0 + 0.05 * np.sin(np.arange(20))[:, np.newaxis]
+    return make_env(
+        chronics_class=FromNPY,
+        data_feeding_kwargs={
+            "load_p": np.tile(obs.load_p, (20, 1)) * wave,
+            "load_q": np.tile(obs.load_q, (20, 1)),
+            "prod_p": np.tile(obs.gen_p, (20, 1)) * wave,
+        },
+        reward_class=RhoSquared,
+        other_rewards={"flat": FlatReward},
+    )
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+@pytest.mark.parametrize("build", [_changed_by_hand, _fed_from_arrays])
+async def test_an_env_made_or_changed_by_the_caller_plays_as_in_grid2op(
+    build: Callable[[], Any],
+) -> None:
+    # What ``get_params_for_runner`` carries of an env the caller changed, or fed from its own
+    # arrays with its own reward class, reaches a worker that plays several episodes in a row.
+    env = build()
+    # No max_iter: the changed env's own (9 steps) holds.
+    kwargs: dict[str, Any] = dict(nb_episode=3, env_seeds=[5, 6, 7], agent_seeds=[8, 9, 10])
+    expected = _reference(env, SampleAgent, **kwargs)
+    async with AsyncRunner(env, agent=SampleAgent, workers=1) as runner:
+        for _ in range(2):
+            assert [_key(r) for r in await runner.run(**kwargs)] == expected
     env.close()
 
 
