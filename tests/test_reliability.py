@@ -294,6 +294,39 @@ async def test_forked_workers_exit_when_their_parent_dies(tmp_path: Any) -> None
     await wait_dead(pids)
 
 
+LEFT_OPEN = """
+import asyncio
+import grid2op
+from grid2op.Agent import DoNothingAgent
+from lightsim2grid import LightSimBackend
+from asyncrunner import AsyncRunner
+
+async def main():
+    # never closed: a script's habit
+    env = grid2op.make("l2rpn_case14_sandbox", test=True, backend=LightSimBackend())
+    async with AsyncRunner(env, agent=DoNothingAgent, workers=2) as runner:
+        results = await runner.run(2, max_iter=3)
+    print(sum(r.nb_time_step for r in results))
+
+asyncio.run(main())
+"""
+
+
+@pytest.mark.slow  # a fresh interpreter, ended as a script ends
+def test_a_script_that_leaves_its_env_open_ends_without_a_traceback(tmp_path: Any) -> None:
+    # Its env is collected as the interpreter ends; holding envs for the forked workers had
+    # reordered the collector's objects, and grid2op's BaseEnv.__del__ then printed "Exception
+    # ignored ... is closed already" after every such script.
+    script = tmp_path / "left_open.py"
+    script.write_text(LEFT_OPEN)
+    done = subprocess.run(
+        [sys.executable, "-W", "ignore", str(script)], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["6"]
+    assert "Traceback" not in done.stderr and "Exception ignored" not in done.stderr, done.stderr
+
+
 IMPORTS_SCRIPT = '''
 import asyncio, json, os, sys, warnings
 import grid2op

@@ -188,6 +188,37 @@ def test_what_a_process_had_stays_out_of_its_collections_while_it_holds_envs(env
         gc.unfreeze()
 
 
+class _Finalized:
+    """Part of a cycle; says when the collector finalizes it."""
+
+    def __init__(self, name: str, order: list[str]) -> None:
+        self.name, self.order = name, order
+        self.other: _Finalized | None = None
+
+    def __del__(self) -> None:
+        self.order.append(self.name)
+
+
+def test_holding_envs_keeps_the_order_in_which_a_cycle_is_finalized(env: Any) -> None:
+    # A grid2op env is a cycle with its observation space's simulation env, made after it; the
+    # env's __del__ closes both, the simulation env's closes itself, and the env's then raises
+    # "is closed already" (printed as a script that left its env open ends). A plain collection
+    # finalizes the older part first; freezing while envs are held must not turn that around.
+    runner = AsyncRunner(env, agent=DoNothingAgent, workers=1)
+    key, blob = runner._recipe_key, runner._recipe_bytes
+    order: list[str] = []
+    old = _Finalized("old", order)
+    gc.collect()  # in the oldest generation, as an env made a while ago
+    young = _Finalized("young", order)  # in the youngest: a part of it made since
+    old.other, young.other = young, old
+    del young
+    assert _envs.hold(key, blob)
+    _envs.release(key)
+    del old
+    gc.collect()
+    assert order == ["old", "young"]
+
+
 async def test_copy_env_starts_forked_workers_from_a_copy_of_the_env(
     env: Any, grid2op_reference: Any
 ) -> None:

@@ -145,9 +145,16 @@ def _freeze() -> None:
     collections go through the objects made since (the held env's among them), and write to none
     of the pages the workers share. A freeze that is not ours (``gc.get_freeze_count()``, a
     pre-fork server's) is left as it is.
+
+    The young generations are collected first (about 2 ms): a freeze puts their objects before
+    the old ones, and the thaw would leave them there, so that a cycle's parts made after it
+    would be finalized first. An env the caller never closed would then be finalized after its
+    observation space's simulation env, and grid2op's ``BaseEnv.__del__`` prints "is closed
+    already, you cannot close it a second time" as the script ends.
     """
     global _FROZEN
     if not _HELD and not _FROZEN and gc.get_freeze_count() == 0:
+        gc.collect(1)
         gc.freeze()
         _FROZEN = True
 
