@@ -13,6 +13,7 @@ import anyio.to_thread
 import pytest
 from anyio import BrokenWorkerProcess
 
+from asyncrunner._engine._envs import exclusive
 from asyncrunner._pools._fork import ForkPool
 
 from .helpers import BOTH_LOOPS, alive
@@ -125,6 +126,48 @@ async def test_a_worker_never_collects_what_it_inherited() -> None:
     assert not any(inherited) and made_there
     assert all(tracked_after_a_collection([id(o) for o in held])[0])  # still tracked here
     await pool.aclose()
+
+
+def now() -> float:
+    return time.monotonic()  # CLOCK_MONOTONIC: one clock for the whole machine
+
+
+async def test_a_fork_waits_for_an_env_build_in_another_thread(
+    capfd: pytest.CaptureFixture[str],
+) -> None:
+    # A thread building an env (``_envs.hold``, under ``exclusive()``) runs pandapower's power
+    # flows: scipy SuperLU factorizations, tracked in that thread's state. A child forked
+    # meanwhile drops that state and frees them; scipy <= 1.17 leaves an exception set doing
+    # so, and the child's first after-fork callback (random's or threading's) failed, printing
+    # "Exception ignored ... SystemError" (seen with several runners opening at once). That
+    # failure is a race (a fork inside a factorization, the GIL released); checked here: a
+    # fork waits for the build.
+    import pandapower  # type: ignore[import-untyped]
+    import pandapower.networks  # type: ignore[import-untyped]
+
+    net = pandapower.networks.case14()
+    building = threading.Event()
+    built: list[float] = []
+
+    def build() -> None:
+        with exclusive():
+            building.set()
+            end = now() + 0.5
+            while now() < end:  # what a build runs: power flows
+                pandapower.runpp(net)
+            built.append(now())
+
+    thread = threading.Thread(target=build)
+    thread.start()
+    await anyio.to_thread.run_sync(building.wait)
+    pool = ForkPool(anyio.CapacityLimiter(1))
+    try:
+        called = await pool.call(now)  # forks the worker
+    finally:
+        await pool.aclose()
+        await anyio.to_thread.run_sync(thread.join)
+    assert called > built[0]
+    assert "Exception ignored" not in capfd.readouterr().err
 
 
 async def test_big_calls_and_replies_cross_whole() -> None:

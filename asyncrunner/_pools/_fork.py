@@ -33,6 +33,7 @@ import anyio.to_thread
 from anyio import BrokenWorkerProcess
 
 from .._engine._channel import AsyncSocket, frame, receive_frame
+from .._engine._envs import exclusive
 from .._engine._pool import STOP_GRACE, WorkerPool
 
 __all__ = ["ForkPool", "available"]
@@ -95,7 +96,11 @@ class _Worker:
         self.process = context.Process(
             target=_serve, args=(child, [*inherited, mine.fileno()]), daemon=True
         )
-        with warnings.catch_warnings():
+        # Not while a thread of this process builds an env (``hold``, under this lock): the
+        # child drops the other threads' states, and a power flow's scipy SuperLU state then
+        # freed (scipy <= 1.17 leaves an exception set doing so) failed the child's first
+        # after-fork callback, random's or threading's ("Exception ignored ... SystemError").
+        with exclusive(), warnings.catch_warnings():
             # Python >= 3.12 warns when a multi-threaded process forks: the child only runs
             # _serve (no lock of another thread is taken there), as grid2op's own Pool does.
             warnings.filterwarnings(
