@@ -245,7 +245,8 @@ def exclusive() -> Any:
     thread-safe, and a reset turns warnings into errors for a moment): with several episodes at
     once in threads (``CentralAgent(envs_per_worker=...)``), a filter could leak from one to
     another and make pandapower's deprecation warnings fail a build. The threads wait for
-    their actions outside it.
+    their actions outside it. In a process that forks workers, the envs it holds for them are
+    built under it (``hold``) and each fork waits for it (``ForkPool``).
     """
     return _ENVS_LOCK
 
