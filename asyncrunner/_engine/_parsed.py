@@ -67,7 +67,9 @@ def _key(name: str, path: Any, kwargs: dict[str, Any]) -> tuple[Any, ...] | None
         stat = os.stat(path)
     except OSError:
         return None  # the parser raises its own error
-    where = os.path.realpath(path)
+    # The file itself, whatever path names it: its device and inode, from the stat already
+    # taken (``os.path.realpath`` cost 40 us per file, 0.35 ms of a reset's 0.6 ms of lookups).
+    where = (stat.st_dev, stat.st_ino)
     return (name, where, stat.st_size, stat.st_mtime_ns, tuple(sorted(kwargs.items())))
 
 
