@@ -165,9 +165,11 @@ def test_what_a_process_had_stays_out_of_its_collections_while_it_holds_envs(env
     key, blob = runner._recipe_key, runner._recipe_bytes
     cycle = _Cycle()
     gone = weakref.ref(cycle)
-    assert gc.get_freeze_count() == 0
+    # Python 3.12 keeps its immortal objects in the permanent generation: no freeze of anyone's.
+    unfrozen = _envs._PERMANENT_AT_IMPORT
+    assert gc.get_freeze_count() <= unfrozen
     assert _envs.hold(key, blob) and _envs.hold(key, blob)
-    assert gc.get_freeze_count() > 0
+    assert gc.get_freeze_count() > unfrozen + 1000
     del cycle
     gc.collect()
     assert gone() is not None  # frozen: not collected while held
@@ -175,7 +177,7 @@ def test_what_a_process_had_stays_out_of_its_collections_while_it_holds_envs(env
     gc.collect()
     assert gone() is not None  # still held once
     _envs.release(key)
-    assert gc.get_freeze_count() == 0
+    assert gc.get_freeze_count() <= unfrozen
     gc.collect()
     assert gone() is None
     # A freeze of the caller's (a pre-fork server's) is left as it is.
@@ -183,7 +185,7 @@ def test_what_a_process_had_stays_out_of_its_collections_while_it_holds_envs(env
     try:
         assert _envs.hold(key, blob)
         _envs.release(key)
-        assert gc.get_freeze_count() > 0  # not unfrozen by the release
+        assert gc.get_freeze_count() > unfrozen + 1000  # not unfrozen by the release
     finally:
         gc.unfreeze()
 

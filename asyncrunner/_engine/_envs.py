@@ -136,6 +136,12 @@ _HELD: dict[str, tuple[_Cached, int]] = {}
 _FROZEN = False
 
 
+# What the permanent generation holds without anyone's freeze: Python 3.12 moves its immortal
+# objects there (375 tuples of the built-in types, from startup on), 3.11 and 3.13 nothing. A
+# count above it is a freeze of the process's (one made before this import is not told apart).
+_PERMANENT_AT_IMPORT = gc.get_freeze_count()
+
+
 def _freeze() -> None:
     """While this process holds envs, the objects it had before are out of its collections.
 
@@ -143,8 +149,8 @@ def _freeze() -> None:
     process has: 0.15 to 0.2 s with a caller's heap of a few hundred thousand objects, landing
     between the build and the forks, or blocking the event loop as a run starts. Frozen, the
     collections go through the objects made since (the held env's among them), and write to none
-    of the pages the workers share. A freeze that is not ours (``gc.get_freeze_count()``, a
-    pre-fork server's) is left as it is.
+    of the pages the workers share. A freeze that is not ours (``gc.get_freeze_count()`` above
+    ``_PERMANENT_AT_IMPORT``, a pre-fork server's) is left as it is.
 
     The young generations are collected first (about 2 ms): a freeze puts their objects before
     the old ones, and the thaw would leave them there, so that a cycle's parts made after it
@@ -153,7 +159,7 @@ def _freeze() -> None:
     already, you cannot close it a second time" as the script ends.
     """
     global _FROZEN
-    if not _HELD and not _FROZEN and gc.get_freeze_count() == 0:
+    if not _HELD and not _FROZEN and gc.get_freeze_count() <= _PERMANENT_AT_IMPORT:
         gc.collect(1)
         gc.freeze()
         _FROZEN = True
