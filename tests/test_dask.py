@@ -194,7 +194,10 @@ async def test_cancelling_a_run_stops_the_cluster_work(env: Any, cluster: Any) -
 @pytest.fixture
 def dask_commands(tmp_path: Path) -> Iterator[str]:
     """A scheduler and two workers started with Dask's own commands; yields the address."""
-    dask = shutil.which("dask") or pytest.skip("no dask command")
+    # This interpreter's own, first: a venv's python run without activating the venv would
+    # otherwise start another Python's dask command (on PATH) with this one's packages.
+    here = os.path.dirname(sys.executable)
+    dask = shutil.which("dask", path=here) or shutil.which("dask") or pytest.skip("no dask command")
     file = tmp_path / "scheduler.json"
     environ = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), *sys.path]))
     quiet: dict[str, Any] = dict(
