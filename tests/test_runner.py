@@ -119,8 +119,9 @@ async def test_runners_sharing_workers_interleave_on_one_warm_pool(
     assert not any(r._recipe_key in _envs._HELD for r in runners)
     assert shared._BaseEnv__closed  # closed once, with the last runner that held it
     # One pool of two for both runs (apart, each runner would have had one worker of its own).
-    assert runners[0]._pool is runners[1]._pool and runners[0]._pool.workers == 2
-    assert isinstance(runners[0]._pool, ForkPool) and not runners[0]._pool.pids  # stopped
+    pool = runners[0]._pool
+    assert isinstance(pool, ForkPool) and pool is runners[1]._pool and pool.workers == 2
+    assert not pool.pids  # stopped
     runs: dict[int, set[str]] = {}
     for event in started:
         runs.setdefault(event.worker, set()).add(event.run_id)
