@@ -104,6 +104,23 @@ def test_served_frames_are_copies_and_a_changed_file_is_read_again(
     assert pandas.read_csv is not _parsed._read_csv
 
 
+def test_a_relative_path_names_the_file_of_each_calls_working_folder(
+    reads: list[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Two files of one size and modification time, named by one relative path from two working
+    # folders: each call parses its own (a path's real path is kept only for absolute ones).
+    for name, value in (("a", 1), ("b", 2)):
+        (tmp_path / name).mkdir()
+        data = tmp_path / name / "load_p.csv"
+        data.write_text(f"x\n{value}\n")
+        os.utime(data, ns=(1_000_000_000, 1_000_000_000))
+    with _parsed.parsing_once():
+        for name, value in (("a", 1), ("b", 2), ("a", 1)):
+            monkeypatch.chdir(tmp_path / name)
+            assert pandas.read_csv("load_p.csv").iloc[0, 0] == value
+    assert len(reads) == 2  # the third call: a's, from memory
+
+
 def _play_the_same(reference: Any, built: list[Any]) -> None:
     """Episodes on the pristine envs ``built`` (``_Cached``) play the steps of one on a copy of
     ``reference``, an env built outside the cache."""
