@@ -121,6 +121,28 @@ def test_a_relative_path_names_the_file_of_each_calls_working_folder(
     assert len(reads) == 2  # the third call: a's, from memory
 
 
+class _UnhashablePath(os.PathLike[str]):
+    def __init__(self, path: Path) -> None:
+        self.path = str(path)
+
+    def __fspath__(self) -> str:
+        return self.path
+
+    def __eq__(self, other: object) -> bool:  # and so no __hash__
+        return isinstance(other, _UnhashablePath) and other.path == self.path
+
+
+def test_a_path_object_that_cannot_be_hashed_is_read_and_kept(
+    reads: list[str], tmp_path: Path
+) -> None:
+    data = tmp_path / "load_p.csv"
+    data.write_text("x\n3\n")
+    with _parsed.parsing_once():
+        for _ in range(2):
+            assert pandas.read_csv(_UnhashablePath(data)).iloc[0, 0] == 3
+    assert len(reads) == 1
+
+
 def _play_the_same(reference: Any, built: list[Any]) -> None:
     """Episodes on the pristine envs ``built`` (``_Cached``) play the steps of one on a copy of
     ``reference``, an env built outside the cache."""

@@ -54,7 +54,7 @@ _size = 0
 _lock = threading.Lock()
 _users = 0  # callers inside parsing_once now (a worker may play several episodes at once)
 _originals: dict[str, Callable[..., Any]] = {}
-_REAL_PATHS: dict[Any, str] = {}  # by the absolute path a parser was called with
+_REAL_PATHS: dict[str | bytes, str | bytes] = {}  # by the absolute path parsers were called with
 
 
 def _key(name: str, path: Any, kwargs: dict[str, Any]) -> tuple[Any, ...] | None:
@@ -71,11 +71,12 @@ def _key(name: str, path: Any, kwargs: dict[str, Any]) -> tuple[Any, ...] | None
     # The file itself, whatever path names it: ``os.path.realpath`` (the same for the next
     # processes, so it names the disk's entries too), once per absolute path in a process (40 us
     # per file: 0.35 ms of a reset's 0.6 ms of lookups). Size and time say whether it changed.
-    where = _REAL_PATHS.get(path)
+    named = os.fspath(path)  # a path object may not be hashable
+    where = _REAL_PATHS.get(named)
     if where is None:
-        where = os.path.realpath(path)
-        if os.path.isabs(path):  # a relative one depends on the working folder
-            _REAL_PATHS[path] = where
+        where = os.path.realpath(named)
+        if os.path.isabs(named):  # a relative one depends on the working folder
+            _REAL_PATHS[named] = where
     return (name, where, stat.st_size, stat.st_mtime_ns, tuple(sorted(kwargs.items())))
 
 
