@@ -347,6 +347,28 @@ def test_a_helper_stopped_early_or_failing_leaves_nothing_behind(reads: list[str
         env.close()
 
 
+def test_a_helper_forked_from_a_thread_does_not_warn(reads: list[str]) -> None:
+    # As sharing_workers starts it: in a thread. Python >= 3.12 then warns that a
+    # multi-threaded process forks (shown by pytest's and Jupyter's default filters); the
+    # warning is recorded here, not raised (CPython clears a warning raised at fork).
+    env = make_env("rte_case14_opponent")
+    helpers: list[_parsed.ParsedAhead] = []
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            thread = threading.Thread(
+                target=lambda: helpers.append(_parsed.ParsedAhead(env, [{"time serie id": 0}]))
+            )
+            thread.start()
+            thread.join()
+        assert len(helpers) == 1
+        assert [str(w.message) for w in caught if "multi-threaded" in str(w.message)] == []
+    finally:
+        for helper in helpers:
+            helper.join()
+        env.close()
+
+
 def test_the_grids_and_the_scores_share_the_cache_folder_the_readme_names(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:

@@ -39,6 +39,7 @@ import signal
 import sys
 import tempfile
 import threading
+import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -273,7 +274,13 @@ class ParsedAhead:
 
     def __init__(self, env: Any, resets: list[dict[str, Any]]) -> None:
         self._folder = tempfile.mkdtemp(prefix="asyncrunner-parsed-")
-        self._pid = os.fork()
+        with warnings.catch_warnings():
+            # Python >= 3.12 warns when a multi-threaded process forks (this one runs in a
+            # thread): the helper is killed where it stands by ``join``, whatever it waits for.
+            warnings.filterwarnings(
+                "ignore", "This process .* is multi-threaded", DeprecationWarning
+            )
+            self._pid = os.fork()
         if self._pid == 0:  # pragma: no cover - the helper (coverage does not follow os.fork)
             try:
                 self._parse(env, resets)
@@ -281,8 +288,6 @@ class ParsedAhead:
                 os._exit(0)
 
     def _parse(self, env: Any, resets: list[dict[str, Any]]) -> None:  # pragma: no cover
-        import warnings
-
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             episode = env.copy()
