@@ -180,6 +180,7 @@ def test_a_with_block_keeps_one_pool_and_saving_replaces_like_grid2op(
     kwargs: dict[str, Any] = dict(nb_episode=2, env_seeds=[5, 6], agent_seeds=[7, 8])
     with compat_runner(env, agentClass=DoNothingAgent) as runner:
         first = runner.run(path_save=path, max_iter=4, nb_process=2, **kwargs)
+        (path / "0000" / "0000.gif").write_bytes(b"a replay")  # what EpisodeReplay adds there
         session = runner._ar_session
         assert session is not None and session.runner is not None
         pool = session.runner
@@ -195,9 +196,40 @@ def test_a_with_block_keeps_one_pool_and_saving_replaces_like_grid2op(
     listed = sorted(name for _, name in EpisodeData.list_episode(str(path)))
     assert listed == ["0000", "0001"]
     assert len(EpisodeData.from_disk(str(path), "0000").actions) == 6
+    # grid2op writes its files over the old ones: the others in the folder stay.
+    assert (path / "0000" / "0000.gif").read_bytes() == b"a replay"
     for pid in pids:  # the workers stopped with the block
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
+
+
+def test_the_runners_parameters_as_they_are_when_it_runs(env: Any) -> None:
+    # grid2op's runs build their env from runner.parameters as it is then, and read
+    # runner.max_iter in the constructor only.
+    kwargs: dict[str, Any] = dict(nb_episode=1, env_seeds=[0], max_iter=20)
+    got = []
+    params = {**env.get_params_for_runner(), "max_iter": 30}
+    for cls in (GridRunner, compat.Runner):
+        runner = quiet(cls, **params, agentClass=DoNothingAgent)
+        runner.thermal_limit_a = [0.7 * a for a in env.get_thermal_limit()]
+        before = quiet(runner.run, **kwargs)
+        runner.parameters.NO_OVERFLOW_DISCONNECTION = True
+        runner.max_iter = 4
+        after = quiet(runner.run, **{**kwargs, "max_iter": None})
+        got.append((head(before), head(after)))
+    assert got[1] == got[0]
+    (before, after) = got[0]
+    assert before[0][3] < 20 and after[0][3] == 30  # the change played: no overflow cut
+
+
+def test_float_episode_ids_play_as_grid2op_plays_them(env: Any) -> None:
+    kwargs: dict[str, Any] = dict(nb_episode=2, env_seeds=[0, 1], max_iter=3)
+    ids = np.array([1.0, 2.7])  # read from a float column: grid2op's set_id takes int(...)
+    expected = grid2ops(grid_runner(env).run, episode_id=ids, **kwargs)
+    assert [r[1] for r in expected] == ["0001", "0002"]
+    assert head(quiet(compat_runner(env).run, episode_id=ids, nb_process=2, **kwargs)) == head(
+        expected
+    )
 
 
 @pytest.fixture(scope="module")
@@ -225,6 +257,14 @@ def runners(env: Any) -> Iterator[tuple[Any, compat.Runner]]:
         dict(nb_episode=1, max_iter="ten"),
         dict(nb_episode=1, max_iter=0),
         dict(nb_episode=1, episode_id=["no_such_chronic"]),
+        # grid2op's reset checks (it raises them as the episode starts): its exceptions too
+        dict(nb_episode=1, max_iter=3, episode_id=[None]),
+        dict(nb_episode=1, max_iter=3, init_states={"set_line_status": [(99, -1)]}),
+        dict(nb_episode=1, max_iter=3, init_states={"redispatch": [(0, 1000.0)]}),
+        dict(nb_episode=1, max_iter=3, reset_options={"init state": "set_line_status"}),
+        dict(nb_episode=1, reset_options={"max step": 0}),
+        dict(nb_episode=1, max_iter=3, reset_options={"init ts": 0}),
+        dict(nb_episode=1, max_iter=3, reset_options={"init ts": "abc"}),
     ],
 )
 def test_bad_arguments_raise_grid2op_errors(

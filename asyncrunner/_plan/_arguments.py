@@ -14,7 +14,7 @@ import numpy as np
 
 from .._model import EpisodeRequest
 
-__all__ = ["check_with_env", "chronic_names", "plan_episodes"]
+__all__ = ["check_with_env", "chronic_names", "init_state_action", "plan_episodes"]
 
 # grid2op's limits: ``env.seed`` refuses seeds above int32's maximum ("Seed is too big"), and an
 # agent is seeded through numpy's ``RandomState`` (``BaseAgent.seed``), which takes 0 .. 2**32 - 1.
@@ -287,26 +287,39 @@ def _check_thermal_limit(value: Any, env: Any) -> None:
 
 
 def _check_state(state: Any, env: Any) -> None:
-    # as grid2op's Environment.reset reads options["init state"]
     from grid2op.Action import BaseAction
 
-    if isinstance(state, BaseAction):
-        action = state
-    elif isinstance(state, dict):
-        as_dict = {k: v for k, v in state.items() if k != "method"}
-        try:
-            with warnings.catch_warnings():
-                warnings.filterwarnings("error")  # grid2op's reset turns them into errors too
-                action = env._helper_action_env(as_dict)
-        except Exception as exc:
-            raise ValueError(
-                f"initial state {state!r} is not an action of this env: {type(exc).__name__}: {exc}"
-            ) from None
-    else:
+    if not isinstance(state, (dict, BaseAction)):
         raise TypeError(f"an initial state must be a dict or a grid2op action, got {state!r}")
+    try:
+        action = init_state_action(state, env)
+    except Exception as exc:
+        raise ValueError(
+            f"initial state {state!r} is not an action of this env: {type(exc).__name__}: {exc}"
+        ) from None
     ambiguous, reason = action.is_ambiguous()
     if ambiguous:
         raise ValueError(f"initial state {state!r} is an ambiguous action: {reason}")
+
+
+def init_state_action(state: Any, env: Any) -> Any:
+    """The action grid2op's ``Environment.reset`` makes of an initial state (``"init state"``: a
+    dict, its ``"method"`` aside, or an action), raising what that reset raises."""
+    from grid2op.Action import BaseAction
+    from grid2op.Exceptions import Grid2OpException
+
+    if isinstance(state, BaseAction):
+        return state
+    if not isinstance(state, dict):
+        raise Grid2OpException(
+            "`init state` kwargs in `env.reset(, options=XXX) should either be a "
+            "grid2op action (instance of grid2op.Action.BaseAction) or a dictionaray "
+            f"representing an action. You provided {state} which is a {type(state)}"
+        )
+    as_dict = {k: v for k, v in state.items() if k != "method"}
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error")  # as grid2op's reset: its warnings are errors there
+        return env._helper_action_env(as_dict)
 
 
 def check_path_save(path: str | os.PathLike[str]) -> str:

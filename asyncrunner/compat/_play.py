@@ -13,7 +13,13 @@ from .._engine._recipe import env_key
 from .._model import EpisodeResult
 from .._runner import AsyncRunner
 from ..sinks._base import Sink
-from ._rules import chronic_id, env_seed, grid2op_tuple, reset_options_for_core
+from ._rules import (
+    check_resets,
+    chronic_id,
+    env_seed,
+    grid2op_tuple,
+    reset_options_for_core,
+)
 from ._session import AgentClass, EnvView, Session
 from ._sinks import ReplacingCompactWriter, ReplacingWriter, Sum64
 
@@ -51,6 +57,7 @@ def play(
     core_options = reset_options_for_core(options, max_iter, init_states)
     env = runner._ar_template()
     ids = [chronic_id(ep_id, env) for ep_id in ids]
+    check_resets(env, core_options, init_states)
     env_seeds = [env_seed(seed) for seed in env_seeds]
     # numpy's RandomState, which seeds grid2op's agents, takes a bool as 0 / 1
     agent_seeds = [int(s) if isinstance(s, (bool, np.bool_)) else s for s in agent_seeds]
@@ -97,6 +104,11 @@ def env_view(runner: Any, env: Any) -> EnvView:
     params = runner._get_params()
     for key in ("agentClass", "agentInstance", "logger", "mp_context", "_local_dir_cls"):
         params.pop(key, None)  # the worker's Runner gets its defaults
+    # As grid2op's runs build their env: with the runner's parameters as they are now (set after
+    # its construction too), and the max_iter its constructor put in gridStateclass_kwargs
+    # (grid2op reads ``runner.max_iter`` there only: setting it later changes nothing).
+    params["parameters_path"] = runner.parameters.to_dict()
+    params["max_iter"] = -1
     return EnvView(env, params)
 
 

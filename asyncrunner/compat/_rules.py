@@ -5,7 +5,6 @@ seeds as grid2op reads them."""
 from __future__ import annotations
 
 import numbers
-import operator
 import os
 import warnings
 from pathlib import Path
@@ -13,10 +12,10 @@ from typing import Any
 
 import numpy as np
 from grid2op.Action import BaseAction
-from grid2op.Exceptions import ChronicsError, Grid2OpException
+from grid2op.Exceptions import ChronicsError, EnvError, Grid2OpException
 
 from .._model import EpisodeResult
-from .._plan._arguments import MAX_ENV_SEED, chronic_names
+from .._plan._arguments import MAX_ENV_SEED, chronic_names, init_state_action
 
 KEY_TIME_SERIE_ID = "time serie id"
 # grid2op's warnings (grid2op/Runner/aux_fun.py), raised in the caller's thread.
@@ -188,8 +187,37 @@ def chronic_id(ep_id: Any, env: Any) -> Any:
             f'Impossible to find the chronics with id "{ep_id}". The call to '
             "`env.chronics_handler.tell_id(...)` cannot be performed."
         )
-    value = operator.index(ep_id)
+    try:
+        value = int(ep_id)  # grid2op's Environment.set_id: 1.0 plays chronic 1
+    except Exception as exc:
+        raise EnvError(
+            'the "id_" parameters should be convertible to integer and not be of type '
+            f'{type(ep_id)}with error \n"{exc}"'
+        ) from exc
     return value % len(names) if names else value
+
+
+def check_resets(env: Any, options: list[dict[str, Any] | None], init_states: list[Any]) -> None:
+    """grid2op's checks of each episode's reset options and initial state, with its errors
+    (``Environment.reset``, which raises them as the episode starts), before any episode plays.
+    ``options``: those the episodes reset with (``reset_options_for_core``)."""
+    for option, state in zip(options, init_states, strict=True):
+        option = option or {}
+        skip = env._aux_get_skip_ts(option)
+        if state is None:
+            state = option.get("init state")
+        if state is not None:
+            ambiguous, reason = init_state_action(state, env).is_ambiguous()
+            if ambiguous:
+                raise Grid2OpException(
+                    "You provided an invalid (ambiguous) action to set the 'init state'"
+                ) from reason
+        if "max step" in option:
+            env._aux_check_max_iter(option["max step"])
+        if skip is not None and skip < 1:
+            raise Grid2OpException(
+                f"In `env.reset` the kwargs `init ts` should be an int >= 1, found {option['init ts']}"
+            )
 
 
 def env_seed(seed: Any) -> Any:

@@ -26,9 +26,9 @@ Where it differs from grid2op's Runner:
 
 - Results come in request order. (grid2op groups them by process when ``nb_process > 1``:
   0, 2, 4, 1, 3, 5 for two processes; with one process the two agree.)
-- Saving follows grid2op's layout and its overwriting: an episode replaces the folder (or the
-  ``CompactEpisodeData`` files) of the same chronic already in ``path_save``, but atomically: a
-  folder is either the old episode or the new one, never a mix.
+- Saving follows grid2op's layout and its overwriting: an episode's files replace those of the
+  same chronic already in ``path_save`` (its folder's other files stay, as with grid2op), but
+  atomically: the episode's files are either the old episode's or the new one's, never a mix.
 - An agent instance (``agentInstance=``) is copied to the worker processes, as grid2op does with
   ``nb_process > 1``: what an episode changes in the agent does not reach the instance held here.
   Each episode plays a shallow copy of the instance its worker received (grid2op copies, in each

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 
 from .._model import EpisodeStarted, Event, StepBatch
+from .._plan._layout import sync
 from ..sinks import CompactEpisodeWriter, EpisodeDataWriter
 from ..sinks._base import Sink
 
@@ -12,16 +13,26 @@ __all__ = ["ReplacingCompactWriter", "ReplacingWriter", "Sum64"]
 
 
 class ReplacingWriter(EpisodeDataWriter):
-    """grid2op's saving: an episode replaces the folder of its chronic's name (atomically)."""
+    """grid2op's saving: an episode's files replace those of the folder of its chronic's name
+    (atomically); what else that folder holds (a replay's ``.gif``, your notes) is kept, as
+    grid2op, which writes its files over the old ones, keeps it."""
 
     def _move_into_place(self, folder: str, name: str) -> str:
         target = os.path.join(self.path, name)
         aside = self._new_tmp(self.path)
         try:
             with self._lock:
+                kept = []
+                if os.path.isdir(target) and not os.path.islink(target):
+                    written = set(os.listdir(folder))
+                    kept = [entry for entry in os.listdir(target) if entry not in written]
+                    for entry in kept:
+                        os.rename(os.path.join(target, entry), os.path.join(folder, entry))
                 if os.path.lexists(target):
                     os.rename(target, aside)
                 os.rename(folder, target)
+                if kept:
+                    sync([target])  # the entries moved in
         finally:
             self._remove([aside])
         return target
