@@ -214,6 +214,10 @@ async def test_reference_statistics_are_reused_and_invalidated(tmp_path: Path) -
         assert not changed.references_reused  # grid2op would reuse them here
         assert (await once([1])).references_reused
         assert first.as_grid2op() == (await once([1])).as_grid2op()  # cached = recomputed
+        # What else the env was made with (thermal limits here; its opponent, ...) counts too.
+        env.set_thermal_limit(env.get_thermal_limit() * 0.5)
+        assert not (await once([1])).references_reused
+        assert (await once([1])).references_reused
     finally:
         env.close()
 

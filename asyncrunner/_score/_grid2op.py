@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .._engine._parsed import cache_home
+from .._engine._recipe import env_key
 from .._plan._arguments import check_path_save, chronic_names
 from ..sinks._npz import npz_bytes
 
@@ -239,6 +240,9 @@ def _stats_for(
         "reward": str(env._reward_helper.rewardClass),
         "other_rewards": sorted(f"{k}={v.rewardClass}" for k, v in env.other_rewards.items()),
         "scores": str(scorer.scores_func),
+        # Everything else the env was made with (its opponent, chronics class, thermal limits,
+        # backend's arguments, ...): what workers build it from, as the runners' recipes key it.
+        "env_key": env_key(env),
     }
     digest = hashlib.blake2b(json.dumps(key, sort_keys=True).encode(), digest_size=12)
     stats = Stats(env, ref.name)
