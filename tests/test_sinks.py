@@ -367,6 +367,41 @@ async def test_failing_sink_fails_the_run_with_sink_error_naming_it(env: Any) ->
     assert sink.closed
 
 
+class FailingToClose(Sink):
+    """Fails in ``aclose`` only (a file it cannot flush, a connection already gone), and in
+    ``send`` too with ``on_send``."""
+
+    def __init__(self, on_send: bool = False) -> None:
+        self.on_send = on_send
+
+    def __repr__(self) -> str:
+        return "<FailingToClose>"
+
+    async def send(self, event: Event) -> None:
+        if self.on_send and isinstance(event, EpisodeStarted):
+            raise ValueError("boom in send")
+
+    async def aclose(self) -> None:
+        raise OSError("boom in aclose")
+
+
+async def test_a_sink_failing_to_close_fails_the_run_with_sink_error_and_results(
+    env: Any, tmp_path: Path
+) -> None:
+    async with AsyncRunner(env, agent=DoNothingAgent, workers=2) as runner:
+        with anyio.fail_after(TIMEOUT), pytest.raises(SinkError, match="FailingToClose") as info:
+            await runner.run(3, max_iter=3, path_save=tmp_path, sinks=[FailingToClose()])
+        assert "failed closing (aclose): OSError: boom in aclose" in str(info.value)
+        # Played and saved before the sink closed: nothing lost.
+        assert [r.nb_time_step for r in info.value.results] == [3, 3, 3]
+        saved = [r.path for r in info.value.results]
+        assert None not in saved and all([await anyio.Path(p).is_dir() for p in saved if p])
+        # Failing in send first: that error is the one raised, the closing's a note on it.
+        with anyio.fail_after(TIMEOUT), pytest.raises(SinkError, match="boom in send") as info:
+            await runner.run(1, max_iter=3, sinks=[FailingToClose(on_send=True)])
+        assert "failed closing: OSError: boom in aclose" in "".join(info.value.__notes__)
+
+
 class FailingAgent(BaseAgent):  # type: ignore[misc]  # grid2op is untyped
     """Raises on its second action."""
 

@@ -435,6 +435,17 @@ async def _consume(sink: Sink, receive: MemoryObjectReceiveStream[Event]) -> Non
                     raise SinkError(
                         f"sink {sink!r} failed on {type(event).__name__}: {type(exc).__name__}: {exc}"
                     ) from exc
-    finally:
+    except BaseException as first:  # the error to tell (or the cancellation to pass on)
         with anyio.CancelScope(shield=True):
+            try:
+                await sink.aclose()
+            except Exception as exc:
+                first.add_note(f"then sink {sink!r} failed closing: {type(exc).__name__}: {exc}")
+        raise
+    with anyio.CancelScope(shield=True):
+        try:
             await sink.aclose()
+        except Exception as exc:
+            raise SinkError(
+                f"sink {sink!r} failed closing (aclose): {type(exc).__name__}: {exc}"
+            ) from exc
