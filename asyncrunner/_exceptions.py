@@ -11,7 +11,7 @@ wrapped.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from ._model import EpisodeFailed, EpisodeResult
@@ -53,6 +53,24 @@ class SinkError(AsyncRunnerError):
 
 class WorkerChannelError(AsyncRunnerError):
     """Raised when the channel that carries steps back from the workers breaks."""
+
+
+class unwrapped:  # a context manager, named as contextlib names its own
+    """Re-raise the meaningful error out of task-group exception groups (cancellation untouched):
+    the first of asyncrunner's own errors, else the first other one."""
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, typ: Any, exc: BaseException | None, tb: Any) -> None:
+        if isinstance(exc, BaseExceptionGroup):
+            import anyio
+
+            cancelled = anyio.get_cancelled_exc_class()
+            real = [e for e in leaves(exc) if not isinstance(e, cancelled)]
+            if real:
+                ours = [e for e in real if isinstance(e, AsyncRunnerError)]
+                raise (ours or real)[0]
 
 
 def leaves(group: BaseException) -> list[BaseException]:

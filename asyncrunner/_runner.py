@@ -19,7 +19,7 @@ from ._engine._envs import hold, release, warm
 from ._engine._parsed import ParsedAhead
 from ._engine._pool import WorkerPool
 from ._engine._recipe import agent_name, agent_recipe, recipes
-from ._exceptions import AsyncRunnerError, EpisodeError, leaves
+from ._exceptions import AsyncRunnerError, EpisodeError, unwrapped
 from ._model import EpisodeResult, Event
 from ._plan._arguments import chronic_names
 from ._plan._mixes import mixes_of
@@ -357,11 +357,11 @@ class AsyncRunner(AsyncResource):
             options = {**options, "sinks": [*options.get("sinks", ()), collector]}
         run = await self._prepare(nb_episode, options, streaming=False)
         if collector is None:
-            with _unwrapped():
+            with unwrapped():
                 return await run.execute()
         data = collector.data
         try:
-            with _unwrapped():
+            with unwrapped():
                 results = await run.execute()
         except EpisodeError as exc:
             exc.results = [replace(r, episode_data=data.get(r.index)) for r in exc.results]
@@ -383,7 +383,7 @@ class AsyncRunner(AsyncResource):
             async with send:
                 await run.execute(send)
 
-        with _unwrapped():
+        with unwrapped():
             async with anyio.create_task_group() as group, receive:
                 group.start_soon(produce)
                 try:
@@ -430,19 +430,3 @@ async def sharing_workers(
                 await anyio.to_thread.run_sync(ahead.join)
         for runner in (*runners[1:], first):  # the pool's owner last
             await runner.aclose()
-
-
-class _unwrapped:
-    """Re-raise the meaningful error out of task-group exception groups (cancellation untouched)."""
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, typ: Any, exc: BaseException | None, tb: Any) -> None:
-        if isinstance(exc, BaseExceptionGroup):
-            found = leaves(exc)
-            cancelled = anyio.get_cancelled_exc_class()
-            real = [e for e in found if not isinstance(e, cancelled)]
-            if real:
-                ours = [e for e in real if isinstance(e, AsyncRunnerError)]
-                raise (ours or real)[0]

@@ -186,6 +186,27 @@ def test_resume_needs_save(capsys: pytest.CaptureFixture[str]) -> None:
     _usage_error(["run", *SMALL, "--resume"], "--resume needs --save DIR", capsys)
 
 
+def test_score_refusals_are_one_line_before_any_episode(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    score = ["score", "--agent", "DoNothingAgent", "--nb-scenario", "1", "--max-step", "5"]
+    taken = tmp_path / "a_file"
+    taken.write_text("")
+    _usage_error(
+        [*score, "--competition", "l2rpn_2020", "--cache-dir", str(taken)],
+        "`cache_dir` " + repr(str(taken)) + " is a file",
+        capsys,
+        prog="score",
+    )
+    # grid2op's class refuses the env (no alarms on l2rpn_case14_sandbox).
+    _usage_error(
+        [*score, "--competition", "icaps_2021", "--cache-dir", str(tmp_path / "cache")],
+        'icaps_2021 on this env: Grid2OpException RewardException "Impossible to use the',
+        capsys,
+        prog="score",
+    )
+
+
 # --- item 7: failures that say what happened and where the traceback is -------------------------
 
 

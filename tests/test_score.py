@@ -25,7 +25,7 @@ with warnings.catch_warnings():
     warnings.simplefilter("ignore")
     import grid2op
     import grid2op.utils
-    from grid2op.Agent import DoNothingAgent, RandomAgent, RecoPowerlineAgent
+    from grid2op.Agent import BaseAgent, DoNothingAgent, RandomAgent, RecoPowerlineAgent
     from grid2op.Episode import EpisodeData
     from grid2op.utils.underlying_statistics import EpisodeStatistics
 
@@ -269,6 +269,9 @@ async def test_path_save_keeps_each_agent_and_reference_and_resumes(
         ({"competition": "l2rpn_2020", "resume": True}, "`resume=True` needs `path_save`"),
         ({"competition": "l2rpn_2020", "workers": 0}, "`workers` must be an integer >= 1"),
         ({"competition": "l2rpn_2020", "nb_scenario": 99}, r"the env has \d+ scenarios"),
+        ({"competition": "l2rpn_2020", "nb_scenario": 2.5}, "`nb_scenario` must be an integer"),
+        ({"competition": "l2rpn_2020", "max_step": 0}, "`max_step` must be an integer >= 1"),
+        ({"competition": "l2rpn_2020", "max_step": -5}, "`max_step` must be an integer >= 1"),
     ],
 )
 async def test_bad_arguments_fail_before_any_episode(
@@ -279,6 +282,34 @@ async def test_bad_arguments_fail_before_any_episode(
             env, DoNothingAgent, **{"nb_scenario": 2, "cache_dir": tmp_path / "cache", **kwargs}
         )
     assert not (tmp_path / "cache").exists()
+
+
+class FailingAgent(BaseAgent):  # type: ignore[misc]  # grid2op is untyped
+    """Raises at its third step."""
+
+    def __init__(self, action_space: Any) -> None:
+        super().__init__(action_space)
+        self.steps = 0
+
+    def act(self, observation: Any, reward: float, done: bool = False) -> Any:
+        self.steps += 1
+        if self.steps == 3:
+            raise ZeroDivisionError("the agent's bug")
+        return self.action_space({})
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_a_failing_agent_or_cache_folder_raises_its_own_error(
+    env: Any, tmp_path: Path
+) -> None:
+    kwargs: dict[str, Any] = dict(competition="l2rpn_2020", nb_scenario=1, max_step=6, workers=2)
+    taken = tmp_path / "a_file"
+    taken.write_text("")
+    with pytest.raises(ValueError, match=r"`cache_dir` .* is a file: give a folder"):
+        await asyncrunner.score(env, DoNothingAgent, cache_dir=taken, **kwargs)
+    # As AsyncRunner.run raises it, not inside an exception group of the score's runs.
+    with pytest.raises(asyncrunner.EpisodeError, match="the agent's bug"):
+        await asyncrunner.score(env, FailingAgent, cache_dir=tmp_path / "cache", **kwargs)
 
 
 @pytest.mark.slow

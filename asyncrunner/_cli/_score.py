@@ -81,6 +81,8 @@ def main(argv: Sequence[str]) -> int:
         env = make_env(args.env, test=args.test, backend=args.backend)
     except UsageError as exc:
         parser.error(str(exc))
+    from grid2op.Exceptions import Grid2OpException  # grid2op is loaded by now (the env)
+
     try:
         nb = args.nb_scenario
         seeds: tuple[Any, Any] = (None, None)
@@ -108,6 +110,8 @@ def main(argv: Sequence[str]) -> int:
     except EpisodeError as exc:
         print(f"asyncrunner score: {exc}", file=sys.stderr)
         return 1
+    except Grid2OpException as exc:  # the competition's class refused the env (before any episode)
+        parser.error(f"{args.competition} on this env: {exc}")
     except KeyboardInterrupt:
         again = " (add --resume to complete it)" if args.save else ""
         print(f"asyncrunner score: interrupted{again}", file=sys.stderr)

@@ -322,26 +322,29 @@ def init_state_action(state: Any, env: Any) -> Any:
         return env._helper_action_env(as_dict)
 
 
-def check_path_save(path: str | os.PathLike[str]) -> str:
-    """Make sure episodes can be saved under ``path`` (created if missing); return it absolute.
+def check_path_save(
+    path: str | os.PathLike[str], name: str = "path_save", purpose: str = "save episodes in"
+) -> str:
+    """Make sure files can be written under ``path`` (created if missing); return it absolute.
+    ``name``: the argument's, ``purpose``: what the folder is for, in the errors.
 
     Writability is tried, not asked: ``os.access`` says yes for root everywhere, and for
     folders such as ``/proc`` or ``/sys`` where nothing can be created.
     """
     if not isinstance(path, (str, os.PathLike)):
         raise TypeError(
-            f"`path_save` must be a folder path (str or os.PathLike), got {type(path).__name__} "
+            f"`{name}` must be a folder path (str or os.PathLike), got {type(path).__name__} "
             f"{path!r}"
         )
     folder = os.path.abspath(os.fspath(path))
     if os.path.exists(folder) and not os.path.isdir(folder):
-        raise ValueError(f"`path_save` {folder!r} is a file: give a folder to save episodes in")
+        raise ValueError(f"`{name}` {folder!r} is a file: give a folder to {purpose}")
     ancestor = folder
     while not os.path.exists(ancestor):
         ancestor = os.path.dirname(ancestor)
     if not os.path.isdir(ancestor):
         raise ValueError(
-            f"`path_save` {folder!r} cannot be created: {ancestor!r} is a file, not a folder"
+            f"`{name}` {folder!r} cannot be created: {ancestor!r} is a file, not a folder"
         )
     try:
         os.makedirs(folder, exist_ok=True)
@@ -351,6 +354,6 @@ def check_path_save(path: str | os.PathLike[str]) -> str:
     except OSError as exc:
         what = "is not writable" if ancestor == folder else "cannot be created"
         raise ValueError(
-            f"`path_save` {folder!r} {what} ({exc.strerror or exc}): give a folder you can write to"
+            f"`{name}` {folder!r} {what} ({exc.strerror or exc}): give a folder you can write to"
         ) from None
     return folder

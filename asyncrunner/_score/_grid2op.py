@@ -97,25 +97,34 @@ class ScorePlan:
             env_seeds=env_seeds, agent_seeds=agent_seeds,
         )  # fmt: skip
         labels = _unique([agent_label(a) for a in agents])
-        cache_root = os.path.abspath(cache_dir if cache_dir is not None else default_cache_dir())
+        cache_root = check_path_save(
+            cache_dir if cache_dir is not None else default_cache_dir(),
+            "cache_dir",
+            "keep the reference statistics in",
+        )
         for ref in refs:
             ref.stats = _stats_for(scorer, ref, cache_root, env_seeds, agent_seeds)
             ref.reused = os.path.isfile(os.path.join(ref.stats.path_save_stats, _COMPLETE))
         todo = [ref for ref in refs if not ref.reused]
         if path_save is not None:
             path_save = check_path_save(path_save)
+        envs: dict[str, Any] = {}
+        jobs: list[tuple[str, Any, Any]] = []
+        try:
+            for ref in todo:
+                params = ref.parameters if ref.parameters is not None else env.parameters
+                agent = DoNothingAgent if ref.agent is None else type(ref.agent)
+                jobs.append((ref.name, _scored_env(env, scorer, params, envs), agent))
+            for label, agent in zip(labels, agents, strict=True):
+                jobs.append((label, _scored_env(env, scorer, env.parameters, envs), agent))
+        except BaseException:  # the score functions refuse the env (icaps_2021 without alarms)
+            for built in envs.values():
+                built.close()
+            raise
         tmp = None
         if path_save is None:
             tmp = tempfile.TemporaryDirectory(prefix="asyncrunner-score-")
         root = os.path.abspath(path_save if path_save is not None else tmp.name)  # type: ignore[union-attr]
-        envs: dict[str, Any] = {}
-        jobs: list[tuple[str, Any, Any]] = []
-        for ref in todo:
-            params = ref.parameters if ref.parameters is not None else env.parameters
-            agent = DoNothingAgent if ref.agent is None else type(ref.agent)
-            jobs.append((ref.name, _scored_env(env, scorer, params, envs), agent))
-        for label, agent in zip(labels, agents, strict=True):
-            jobs.append((label, _scored_env(env, scorer, env.parameters, envs), agent))
         return cls(
             scorer, refs, todo, labels, int(scorer.nb_scenario), int(scorer.max_step), root, tmp,
             jobs, list(envs.values()),
@@ -268,10 +277,14 @@ def _scored_env(env: Any, scorer: Any, parameters: Any, envs: dict[str, Any]) ->
         if not isinstance(funcs, dict)
         else {f"{EpisodeStatistics.KEY_SCORE}_{k}": v for k, v in funcs.items()}
     )
-    for name, func in named.items():
-        helper = RewardHelper(func, scored.logger)
-        helper.initialize(scored)
-        scored.other_rewards[name] = helper
+    try:
+        for name, func in named.items():
+            helper = RewardHelper(func, scored.logger)
+            helper.initialize(scored)
+            scored.other_rewards[name] = helper
+    except BaseException:
+        scored.close()
+        raise
     if parameters.to_dict() != env.parameters.to_dict():
         # What grid2op's run_env gives its Runner (``parameters_path``): this copy is never
         # played, only read by the runner (``get_params_for_runner``), so no reset applies it

@@ -16,6 +16,7 @@ episode's score is the score class's own ``_compute_episode_score``.
 from __future__ import annotations
 
 import functools
+import numbers
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -24,6 +25,7 @@ from typing import Any
 import anyio
 import anyio.to_thread
 
+from .._exceptions import unwrapped
 from .._runner import AsyncRunner, sharing_workers
 from ._grid2op import COMPETITIONS, ScorePlan, compute_stats, grid2op_scores
 
@@ -103,6 +105,11 @@ async def score(
         raise ValueError("`agents` is empty: pass an agent or a list of agents")
     if resume and path_save is None:
         raise ValueError("`resume=True` needs `path_save`: the folder of the score to resume")
+    for name, value, lowest in (("nb_scenario", nb_scenario, 1), ("max_step", max_step, -1)):
+        whole = isinstance(value, numbers.Integral) and not isinstance(value, bool)
+        if value is not None and (not whole or value < lowest or value == 0):
+            also = " (or -1: every step of the scenario)" if lowest < 0 else ""
+            raise ValueError(f"`{name}` must be an integer >= 1{also}, got {value!r}")
     if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int)):
         raise ValueError(f"`workers` must be an integer >= 1, got {workers!r}")
     if workers is not None and workers < 1:
@@ -147,9 +154,11 @@ async def _play_and_score(
     # One pool for every runner: the references' and the agents' episodes interleave on the
     # same warm workers.
     resets = [{"time serie id": i, "max step": plan.max_iter} for i in range(plan.nb)]
-    async with sharing_workers(runners, total, resets), anyio.create_task_group() as group:
-        for i, (folder, _, _) in enumerate(plan.jobs):
-            group.start_soon(play, i, folder)
+    # A run's error comes out as the run raises it (an EpisodeError, ...), not in a group.
+    with unwrapped():
+        async with sharing_workers(runners, total, resets), anyio.create_task_group() as group:
+            for i, (folder, _, _) in enumerate(plan.jobs):
+                group.start_soon(play, i, folder)
     scorer = plan.scorer
     for ref, episodes in zip(plan.todo, results, strict=False):
         await anyio.to_thread.run_sync(
