@@ -24,7 +24,7 @@ import pytest
 from grid2op.Agent import DoNothingAgent, RandomAgent
 from grid2op.Chronics import FromHandlers, FromNPY, MultifolderWithCache
 from grid2op.Chronics.handlers import CSVHandler, JSONMaintenanceHandler, NoisyForecastHandler
-from grid2op.Reward import BaseReward, FlatReward
+from grid2op.Reward import BaseReward, EpisodeDurationReward, FlatReward
 from grid2op.Runner import Runner
 
 import asyncrunner.compat
@@ -74,6 +74,40 @@ async def test_idf_2023_opponent_on_a_reused_worker(
     async with AsyncRunner(env, agent=DoNothingAgent, workers=1) as runner:
         results = await runner.run(**kwargs)
     assert [r.as_tuple() for r in results] == expected
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_max_iter_minus_one_plays_as_grid2op_plays_it(tmp_path: Path) -> None:
+    # grid2op's Runner resets with "max step": -1, which leaves env.max_episode_duration() at -1
+    # (the observations' max_step, rewards such as EpisodeDurationReward read it), not at the
+    # chronic's length as with no max_iter. A game over at step 4 here.
+    env = make_env("rte_case14_opponent", reward_class=EpisodeDurationReward)
+    kwargs: dict[str, Any] = dict(nb_episode=1, env_seeds=[11], agent_seeds=[5], max_iter=-1)
+    try:
+        expected = _reference(env, RandomAgent, tmp_path / "grid2op", **kwargs)
+        async with AsyncRunner(env, agent=RandomAgent, workers=1) as runner:
+            results = await runner.run(path_save=tmp_path / "ours", **kwargs)
+        assert [_key(r) for r in results] == expected
+        (played,) = results
+        assert played.nb_time_step < 10 and expected[0][1] == repr(-float(played.nb_time_step))
+        for side in ("grid2op", "ours"):
+            name = str(played.name) if side == "grid2op" else Path(str(played.path)).name
+            observations = np.load(tmp_path / side / name / "observations.npz")["data"]
+            max_step = [obs.max_step for obs in _observations(env, observations)]
+            assert max_step == [-1] * (played.nb_time_step + 1), side
+    finally:
+        env.close()
+
+
+def _observations(env: Any, rows: np.ndarray) -> list[Any]:
+    """The observations of a saved episode's rows (the rows played: no NaN padding)."""
+    out = []
+    for row in rows:
+        if np.isnan(row).all():
+            break
+        obs = env.observation_space.from_vect(row, check_legit=False)
+        out.append(obs)
+    return out
 
 
 # An env with detachment: an action whose detachment arrays are not built yet (grid2op builds them

@@ -47,12 +47,14 @@ def test_requests_follow_grid2op_conventions() -> None:
         env_seeds=[1, 2, 3, 4],
         reset_options={"time serie id": 2, "max step": 7},
     )
-    # -1 means no limit; "time serie id" in reset_options picks the chronic when no id is given.
+    # -1 stays -1 (grid2op resets with "max step": -1: no limit, and max_episode_duration() -1,
+    # where no max_iter leaves the chronic's); "time serie id" in reset_options picks the chronic
+    # when no id is given.
     assert [(r.episode_id, r.max_iter, r.env_seed) for r in requests] == [
-        (2, None, 1),
-        (2, None, 2),
-        (2, None, 3),
-        (2, None, 4),
+        (2, -1, 1),
+        (2, -1, 2),
+        (2, -1, 3),
+        (2, -1, 4),
     ]
     assert requests[0].reset_options == {"max step": 7}
     plain = plan_episodes(4, names=NAMES, episode_id=None)

@@ -195,7 +195,7 @@ def plan_episodes(
                 episode_id=ep_id,
                 env_seed=env_s[i],
                 agent_seed=agent_s[i],
-                max_iter=None if max_iter == -1 else max_iter,
+                max_iter=max_iter,
                 init_state=states[i],
                 reset_options=opts,
             )
