@@ -18,7 +18,7 @@ from ._engine._dispatch import Run, RunSettings
 from ._engine._envs import hold, release, warm
 from ._engine._parsed import ParsedAhead
 from ._engine._pool import WorkerPool
-from ._engine._recipe import agent_name, agent_recipe, recipes
+from ._engine._recipe import agent_name, agent_recipe, env_key, recipes
 from ._exceptions import AsyncRunnerError, EpisodeError, unwrapped
 from ._model import EpisodeResult, Event
 from ._plan._arguments import chronic_names
@@ -146,6 +146,8 @@ class AsyncRunner(AsyncResource):
         self._central = agent if isinstance(agent, CentralAgent) else None
         # Each mix's chronic names; a single env is the mix None.
         self._names = {mix: chronic_names(source) for mix, source in sources.items()}
+        # What the workers build each mix's env from, as its recipe keys it (``resume`` matches it).
+        self._env_keys = {mix: env_key(source) for mix, source in sources.items()}
         self._space_dicts: dict[str, Any] | None = None
         self._pool: WorkerPool | None = None
         self._closed = False
@@ -282,6 +284,7 @@ class AsyncRunner(AsyncResource):
             names=self._names,
             env_for=self._env_for,
             agent=self._agent_name,
+            env_keys=self._env_keys,
             path_save=path_save,
             resume=options.get("resume", False),
             max_iter=options.get("max_iter"),

@@ -21,6 +21,7 @@ from grid2op.Reward import FlatReward, L2RPNReward
 from grid2op.Runner import Runner
 
 from asyncrunner import AsyncRunner
+from asyncrunner._engine._recipe import env_key
 from asyncrunner._model import (
     EpisodeFailed,
     EpisodeFinished,
@@ -244,7 +245,7 @@ async def test_case14_saves_what_grid2op_saves(case14: dict[str, Any], tmp_path:
     _assert_same_compact(case14["compact"], tmp_path / "compact")
     assert _hidden(tmp_path) == []
 
-    await _check_replays(capture.events, tmp_path)
+    await _check_replays(capture.events, env_key(case14["env"]), tmp_path)
 
 
 class _Placing(EpisodeDataWriter):
@@ -289,9 +290,9 @@ async def test_a_worker_that_writes_after_the_run_ended_finds_no_stage(tmp_path:
     assert staged.folder.startswith(stage) and _hidden(tmp_path) == []
 
 
-def _with_files(events: list[Event]) -> list[Event]:
+def _with_files(events: list[Event], env: str) -> list[Event]:
     """The recorded events, each ``EpisodeFinished`` with the files its worker built (which only
-    the writers of the run saw), built again from the recorded steps."""
+    the writers of the run saw), built again from the recorded steps (``env``: its env key)."""
     buffers: dict[int, EpisodeBuffer] = {}
     out: list[Event] = []
     agent = None
@@ -303,17 +304,17 @@ def _with_files(events: list[Event]) -> list[Event]:
         elif isinstance(event, StepBatch):
             buffers[event.index].add(event)
         elif isinstance(event, EpisodeFinished):
-            files = {"episode_data": episode_data_files(buffers[event.index], event, agent)}
+            files = {"episode_data": episode_data_files(buffers[event.index], event, agent, env)}
             event = dataclasses.replace(event, files=files)
         out.append(event)
     return out
 
 
-async def _check_replays(events: list[Event], tmp_path: Path) -> None:
+async def _check_replays(events: list[Event], env: str, tmp_path: Path) -> None:
     """Feed the recorded events to writers again, with a retried attempt, an unknown length, and
     an episode cut short by ``aclose``."""
     assert not any(isinstance(e, EpisodeFinished) and e.files for e in events)
-    events = _with_files(events)
+    events = _with_files(events, env)
     reference = tmp_path / "full"
     first = next(e for e in events if isinstance(e, EpisodeStarted))
     index = first.index
@@ -359,7 +360,7 @@ async def _check_replays(events: list[Event], tmp_path: Path) -> None:
         if isinstance(event, StepBatch):
             buffer.add(event)
     await writer.send(unknown)
-    files = {"episode_data": episode_data_files(buffer, finished, run_started.agent)}
+    files = {"episode_data": episode_data_files(buffer, finished, run_started.agent, env)}
     await writer.send(dataclasses.replace(finished, files=files))
     await writer.aclose()
     steps = finished.nb_time_step

@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 from grid2op.Agent import BaseAgent, DoNothingAgent, RandomAgent
 from grid2op.Episode import EpisodeData
+from grid2op.Reward import ConstantReward
 from grid2op.Runner import Runner as GridRunner
 
 from asyncrunner import AsyncRunner, EpisodeError, EpisodeStarted, Event, SinkError
@@ -139,6 +140,33 @@ async def test_resume_plays_another_agents_episodes(
             2, path_save=tmp_path, resume=True, sinks=[CallbackSink(back)], **KWARGS
         )
     assert back.indices == [] and [r.path for r in resumed] == [r.path for r in nothing]
+
+
+async def test_resume_plays_another_envs_episodes(
+    runner: AsyncRunner, case14: Any, tmp_path: Path
+) -> None:
+    # The same env folder (same chronic names) made with another reward: its results differ.
+    with anyio.fail_after(TIMEOUT):
+        first = await runner.run(2, path_save=tmp_path, **KWARGS)
+        other_env = make_env(reward_class=ConstantReward)
+        try:
+            async with AsyncRunner(other_env, agent=DoNothingAgent, workers=1) as other:
+                started = Started()
+                played = await other.run(
+                    2, path_save=tmp_path, resume=True, sinks=[CallbackSink(started)], **KWARGS
+                )
+        finally:
+            other_env.close()
+    assert sorted(started.indices) == [0, 1]  # not taken for the first env's episodes
+    assert [r.cum_reward for r in played] == [0.0, 0.0]
+    assert all(r.cum_reward > 0 for r in first)
+    assert [Path(r.path or "").name for r in played] == [f"{r.name}_1" for r in first]
+    back = Started()
+    with anyio.fail_after(TIMEOUT):
+        resumed = await runner.run(
+            2, path_save=tmp_path, resume=True, sinks=[CallbackSink(back)], **KWARGS
+        )
+    assert back.indices == [] and [r.path for r in resumed] == [r.path for r in first]
 
 
 # --- 8. leftovers of a killed run ------------------------------------------------------------

@@ -221,7 +221,9 @@ def _play_on(job: EpisodeJob, env: Any, cached: _Cached, send: Any) -> int:
     finished = _finished(job, env, cum_reward, time_step, max_ts, time_act, end_ - beg_)
     if keep is not None:
         try:
-            files = episode_files(keep, finished, job.files, job.agent, job.stages)
+            files = episode_files(
+                keep, finished, job.files, job.agent, cached.recipe.env_key, job.stages
+            )
         except Exception:
             send(*last)
             raise

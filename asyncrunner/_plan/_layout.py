@@ -184,12 +184,14 @@ def resume_plan(
     path: str | os.PathLike[str],
     names: list[str] | None,
     agent: str | None,
+    env: str | None,
 ) -> tuple[list[EpisodeRequest], list[EpisodeResult]]:
     """Split ``requests`` into those still to play and results read back from ``path``.
 
     A request is complete when a folder in ``path`` saved the same chronic with the same agent,
-    env seed, agent seed and ``max_iter`` (``init_states`` / ``reset_options`` are not
-    compared), and each of its files is as written (size and sha256 in its record). Each
+    env (``env``: its ``Recipe.env_key``, everything it is made with), env seed, agent seed and
+    ``max_iter`` (``init_states`` / ``reset_options`` are not compared), and each of its files
+    is as written (size and sha256 in its record). Each
     folder stands for one request at most (a chronic requested twice needs two folders). A
     matching folder whose files are damaged is moved into ``path/.asyncrunner-broken/`` (with a
     warning) and its episode plays again. Reads every matching file: call it off the event loop.
@@ -200,6 +202,7 @@ def resume_plan(
         key = (
             _episode_key(record.get("episode_id"), record.get("name"), names),
             record.get("agent"),
+            record.get("env"),
             record.get("env_seed"),
             record.get("agent_seed"),
             record.get("max_iter"),
@@ -211,6 +214,7 @@ def resume_plan(
         key = (
             _episode_key(request.episode_id, None, names),
             agent,
+            env,
             request.env_seed,
             request.agent_seed,
             request.max_iter,

@@ -39,6 +39,7 @@ async def plan_run(
     names: Names,
     env_for: Callable[[str | None], Any],
     agent: str | None,
+    env_keys: Mapping[str | None, str],
     path_save: str | os.PathLike[str] | None,
     resume: bool,
     max_iter: int | None,
@@ -51,7 +52,8 @@ async def plan_run(
     """Check ``run()``'s episode arguments and plan its episodes (bad input raises here).
 
     ``env_for(mix)``: the parent's env of a mix (initial states are built against it).
-    ``agent``: the agent's recorded name, which ``resume`` matches.
+    ``agent``: the agent's recorded name, ``env_keys`` each mix's env key (``Recipe.env_key``),
+    which ``resume`` matches.
     """
     arguments: dict[str, Any] = dict(
         max_iter=max_iter,
@@ -73,12 +75,18 @@ async def plan_run(
     skipped: list[EpisodeResult] = []
     if resume:
         assert checked is not None
-        requests, skipped = await anyio.to_thread.run_sync(_resume, requests, checked, names, agent)
+        requests, skipped = await anyio.to_thread.run_sync(
+            _resume, requests, checked, names, agent, env_keys
+        )
     return Plan(requests, skipped, checked)
 
 
 def _resume(
-    requests: Sequence[EpisodeRequest], path: str, names: Names, agent: str | None
+    requests: Sequence[EpisodeRequest],
+    path: str,
+    names: Names,
+    agent: str | None,
+    env_keys: Mapping[str | None, str],
 ) -> tuple[list[EpisodeRequest], list[EpisodeResult]]:
     """``resume_plan`` mix by mix, each in its own folder."""
     todo: list[EpisodeRequest] = []
@@ -88,7 +96,7 @@ def _resume(
         if not mine:
             continue
         folder = path if mix is None else os.path.join(path, mix)
-        left, found = resume_plan(mine, folder, mix_names, agent)
+        left, found = resume_plan(mine, folder, mix_names, agent, env_keys[mix])
         todo.extend(left)
         done.extend(replace(r, mix=mix) for r in found)
     todo.sort(key=lambda r: r.index)

@@ -85,10 +85,10 @@ def compact_capacity(started: EpisodeStarted) -> int:
 
 
 def compact_files(
-    buffer: EpisodeBuffer, finished: EpisodeFinished, agent: str | None
+    buffer: EpisodeBuffer, finished: EpisodeFinished, agent: str | None, env: str | None
 ) -> dict[str, bytes]:
-    """A CompactEpisodeData's ``metadata.json`` and ``episode.npz`` (``agent`` is not recorded
-    in this format)."""
+    """A CompactEpisodeData's ``metadata.json`` and ``episode.npz`` (``agent`` and ``env`` are
+    not recorded in this format)."""
     meta, data = compact_content(buffer, finished)
     return {"metadata.json": json_bytes(meta), "episode.npz": npz_bytes(**data)}
 

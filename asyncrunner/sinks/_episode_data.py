@@ -81,10 +81,10 @@ class EpisodeDataWriter(Writer):
 
 
 def episode_data_files(
-    buffer: EpisodeBuffer, finished: EpisodeFinished, agent: str | None
+    buffer: EpisodeBuffer, finished: EpisodeFinished, agent: str | None, env: str | None
 ) -> dict[str, bytes]:
     """The files of an episode's ``EpisodeData`` folder, by name, our record (``agent``: the
-    run's ``RunStarted.agent``) among them."""
+    run's ``RunStarted.agent``; ``env``: the env's ``Recipe.env_key``) among them."""
     from grid2op.Space import GRID2OP_CURRENT_VERSION_STR
 
     started = buffer.started
@@ -134,6 +134,7 @@ def episode_data_files(
         "run_id": started.run_id,
         "index": started.index,
         "agent": agent,
+        "env": env,
         "files": {
             name: {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
             for name, data in files.items()

@@ -19,7 +19,9 @@ from ._writer import stage_files
 
 __all__ = ["FORMATS", "episode_files"]
 
-FORMATS: dict[str, Callable[[EpisodeBuffer, EpisodeFinished, str | None], dict[str, bytes]]] = {
+FORMATS: dict[
+    str, Callable[[EpisodeBuffer, EpisodeFinished, str | None, str | None], dict[str, bytes]]
+] = {
     "episode_data": episode_data_files,
     "compact": compact_files,
 }
@@ -30,14 +32,16 @@ def episode_files(
     finished: EpisodeFinished,
     formats: Iterable[str],
     agent: str | None,
+    env: str | None,
     stages: Mapping[str, str],
 ) -> dict[str, Mapping[str, bytes] | Staged]:
-    """The files of each of ``formats``, by format, then by file name; those of a format with a
+    """The files of each of ``formats``, by format, then by file name (``agent`` and ``env``:
+    the run's agent name and the env's key, recorded with the episode); those of a format with a
     stage folder (``Writer.stage``) written there (``Staged``), unless that fails: the writer
     then writes them."""
     files: dict[str, Mapping[str, bytes] | Staged] = {}
     for name in formats:
-        files[name] = built = FORMATS[name](buffer, finished, agent)
+        files[name] = built = FORMATS[name](buffer, finished, agent, env)
         if name in stages:
             try:
                 files[name] = stage_files(stages[name], built)
