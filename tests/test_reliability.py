@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import anyio
@@ -169,8 +170,33 @@ async def test_episode_timeout_stops_a_hanging_agent(env: Any) -> None:
             results = await runner.run(**KWARGS, episode_timeout=0.5, on_error="continue")
         error = results[1].error
         assert error is not None and error.error_type == "EpisodeTimeout"
+        assert error.message.endswith("its worker was stopped")
         assert results[0].nb_time_step == results[2].nb_time_step == 20
     await wait_no_children(before)
+
+
+class Slow(Hangs):
+    """Takes a second per action (the episode whose agent seed is 12)."""
+
+    def act(self, observation: Any, reward: float, done: bool = False) -> Any:
+        if self.seed_used == 12:
+            time.sleep(1.0)
+        return self.action_space({})
+
+
+async def test_episode_timeout_on_an_executor_says_its_task_runs_on(env: Any) -> None:
+    # A concurrent.futures executor cannot stop a running call: the episode stops at its next
+    # batch of steps (its channel closed), after the agent's call it was in.
+    with ThreadPoolExecutor(2) as executor:
+        async with AsyncRunner(env, agent=Slow, workers=2, executor=executor) as runner:
+            with anyio.fail_after(120):
+                results = await runner.run(**KWARGS, episode_timeout=0.3, on_error="continue")
+        error = results[1].error
+        assert error is not None and error.error_type == "EpisodeTimeout"
+        assert "cannot interrupt a running task: the episode stops at its next batch" in (
+            error.message
+        )
+        assert results[0].nb_time_step == results[2].nb_time_step == 20
 
 
 @BOTH_LOOPS

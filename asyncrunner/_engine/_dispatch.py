@@ -340,7 +340,12 @@ class Run:
                             key[1],
                             "EpisodeTimeout",
                             f"the episode ran longer than episode_timeout={self.episode_timeout}s;"
-                            " its worker was stopped",
+                            + (
+                                " its worker was stopped"
+                                if self.pool.stops_calls
+                                else " this pool cannot interrupt a running task: the episode"
+                                " stops at its next batch of steps, its worker busy until then"
+                            ),
                             retrying=False,
                         )
                 return

@@ -54,6 +54,10 @@ class WorkerPool(ABC):
     # Whether the workers are forked from this process: they start with what it holds (an env
     # held for them with ``_envs.hold`` needs no build in the worker).
     forks_this_process = False
+    # Whether cancelling a call stops its worker where it stands (kills the process). Otherwise
+    # (an executor's or Dask's: they cannot interrupt a running task) the episode stops at its
+    # next batch of steps, when its channel is found closed, its worker busy until then.
+    stops_calls = True
     # The errors of ``call`` meaning that its worker process is gone (ChannelClosed always is:
     # the worker lost the run's channel).
     died: tuple[type[BaseException], ...] = ()
@@ -74,7 +78,8 @@ class WorkerPool(ABC):
 
     @abstractmethod
     async def submit(self, fn: Callable[..., T], *args: Any) -> T:
-        """Run ``fn(*args)`` in a worker process; cancelling it stops that call's worker."""
+        """Run ``fn(*args)`` in a worker process; cancelling it stops that call's worker (at once
+        where ``stops_calls``)."""
 
     @abstractmethod
     async def stop(self) -> None:

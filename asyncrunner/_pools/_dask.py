@@ -270,6 +270,7 @@ class DaskPool(WorkerPool):
     """The ``WorkerPool`` of a ``DaskExecutor``: one episode per task (each attempt is claimed)."""
 
     groups_episodes = False
+    stops_calls = False  # Dask cannot interrupt a running task
 
     def __init__(self, dask: DaskExecutor, limiter: anyio.CapacityLimiter) -> None:
         super().__init__(limiter)

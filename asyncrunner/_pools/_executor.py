@@ -21,6 +21,7 @@ class ExecutorPool(WorkerPool):
     """Calls submitted to ``executor``; it stays the caller's to shut down."""
 
     died = (BrokenProcessPool,)
+    stops_calls = False  # Future.cancel() cannot stop a running call
 
     def __init__(
         self, executor: concurrent.futures.Executor, limiter: anyio.CapacityLimiter
