@@ -345,7 +345,8 @@ class AsyncRunner(AsyncResource):
         results as read from disk; a damaged one is moved aside and played again.
         ``add_detailed_output=True`` puts each played episode's grid2op ``EpisodeData`` on
         ``result.episode_data`` (``"compact"``: a ``CompactEpisodeData``), built in this process
-        from the streamed steps.
+        from the streamed steps; an episode ``resume`` read back gets grid2op's
+        ``EpisodeData.from_disk`` of its folder (``"compact"`` and ``resume`` do not mix).
 
         On a ``MultiMixEnvironment`` every mix plays the ``nb_episode`` requested episodes
         (``nb_episode * len(env)`` results, mix by mix, each with its ``mix``), unless
@@ -353,6 +354,12 @@ class AsyncRunner(AsyncResource):
         folder per mix, ``path_save/<mix>/<chronic>``.
         """
         collector = None
+        if add_detailed_output == "compact" and options.get("resume"):
+            raise ValueError(
+                "add_detailed_output='compact' cannot go with resume=True: the episodes read "
+                "back from path_save (EpisodeData folders) have no CompactEpisodeData; use "
+                "add_detailed_output=True (grid2op's EpisodeData.from_disk of each folder)"
+            )
         if add_detailed_output:
             from .sinks._detail import DetailCollector
 
@@ -367,9 +374,9 @@ class AsyncRunner(AsyncResource):
             with unwrapped():
                 results = await run.execute()
         except EpisodeError as exc:
-            exc.results = [replace(r, episode_data=data.get(r.index)) for r in exc.results]
+            exc.results = await _detailed(exc.results, data)
             raise
-        return [replace(r, episode_data=data.get(r.index, r.episode_data)) for r in results]
+        return await _detailed(results, data)
 
     @asynccontextmanager
     async def stream(
@@ -393,6 +400,25 @@ class AsyncRunner(AsyncResource):
                     yield receive
                 finally:
                     group.cancel_scope.cancel()
+
+
+async def _detailed(results: list[EpisodeResult], data: dict[int, Any]) -> list[EpisodeResult]:
+    """``results`` with their ``EpisodeData``: built from the streamed steps (``data``), or for
+    an episode ``resume`` read back, grid2op's ``EpisodeData.from_disk`` of its folder."""
+    saved = {
+        r.index: r.path
+        for r in results
+        if r.index not in data and r.error is None and r.path is not None
+    }
+    if saved:
+        data = {**data, **await anyio.to_thread.run_sync(_from_disk, saved)}
+    return [replace(r, episode_data=data.get(r.index, r.episode_data)) for r in results]
+
+
+def _from_disk(paths: dict[int, str]) -> dict[int, Any]:
+    from grid2op.Episode import EpisodeData
+
+    return {i: EpisodeData.from_disk(*os.path.split(path)) for i, path in paths.items()}
 
 
 @asynccontextmanager

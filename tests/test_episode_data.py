@@ -543,5 +543,33 @@ async def test_resume_needs_path_save(case14: dict[str, Any]) -> None:
     try:
         with pytest.raises(ValueError, match="path_save"):
             await runner.run(1, resume=True)
+        with pytest.raises(ValueError, match="'compact' cannot go with resume=True"):
+            await runner.run(1, resume=True, path_save="x", add_detailed_output="compact")
     finally:
         await runner.aclose()
+
+
+async def test_resumed_episodes_come_with_their_episode_data(
+    case14: dict[str, Any], tmp_path: Path
+) -> None:
+    kwargs: dict[str, Any] = dict(
+        env_seeds=[3, 4], agent_seeds=[5, 6], max_iter=8, path_save=tmp_path
+    )
+    async with AsyncRunner(case14["env"], agent=RandomAgent, workers=2) as runner:
+        played = await runner.run(2, add_detailed_output=True, **kwargs)
+        # One more episode: the first two are read back from disk.
+        resumed = await runner.run(
+            3, add_detailed_output=True, resume=True, **{**kwargs, "env_seeds": [3, 4, 7],
+            "agent_seeds": [5, 6, 8]},
+        )  # fmt: skip
+    for before, after in zip(played, resumed[:2], strict=True):
+        assert after.path == before.path and after.episode_data is not None
+        assert len(after.episode_data) == len(before.episode_data) == before.nb_time_step + 1
+        for name in ("observations", "actions", "env_actions"):
+            np.testing.assert_array_equal(
+                [o.to_vect() for o in getattr(after.episode_data, name)],
+                [o.to_vect() for o in getattr(before.episode_data, name)],
+                err_msg=name,
+            )
+        np.testing.assert_array_equal(after.episode_data.rewards, before.episode_data.rewards)
+    assert resumed[2].episode_data is not None  # played now
