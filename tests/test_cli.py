@@ -166,7 +166,7 @@ def test_bad_arguments_from_the_console_script(tmp_path: Path) -> None:
 def test_no_command_points_to_run(tmp_path: Path) -> None:
     done = _run([_script()], tmp_path)
     assert done.returncode == 2
-    assert "choose a command: run" in done.stderr
+    assert "choose a command: run, show, score, bench" in done.stderr
 
 
 @pytest.mark.slow

@@ -80,6 +80,7 @@ def test_save_under_a_file_is_refused_before_the_env_is_built(
 @pytest.mark.parametrize(
     ("folder", "expected"),
     [
+        ("", "--save is an empty path: give a folder"),  # "--save $OUT", OUT unset
         ("/proc/asyncrunner-runs", "cannot be created"),  # /proc takes no new folder, even for root
         ("/proc", "is not writable"),  # exists, and os.access says writable as root
         ("/sys", "is not writable"),

@@ -29,7 +29,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser, run_parser = build_parser()
     args = parser.parse_args(args_list)
     if args.command is None:
-        parser.error("choose a command: run, show")
+        parser.error("choose a command: run, show, score, bench")
     try:
         return run_command(args, run_parser, args_list)
     except KeyboardInterrupt:

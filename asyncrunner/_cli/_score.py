@@ -43,7 +43,13 @@ def _parser() -> Parser:
             "agent play the same scenarios at once."
         ),
     )
-    parser.add_argument("env", metavar="ENV", nargs="?", default=DEFAULT_ENV)
+    parser.add_argument(
+        "env",
+        metavar="ENV",
+        nargs="?",
+        default=DEFAULT_ENV,
+        help=f"grid2op env name or path to an env folder (default: {DEFAULT_ENV})",
+    )
     parser.add_argument(
         "--agent",
         action="append",
@@ -51,18 +57,72 @@ def _parser() -> Parser:
         metavar="SPEC",
         help="a grid2op.Agent name, module:Name or path/to/file.py:Name (repeat to compare)",
     )
-    parser.add_argument("--competition", required=True, choices=sorted(COMPETITIONS))
-    parser.add_argument("--nb-scenario", type=at_least(1), default=None, metavar="N")
-    parser.add_argument("--max-step", type=parse_max_iter, default=None, metavar="M")
-    parser.add_argument("--seed", type=at_least(0), default=None, metavar="S")
-    parser.add_argument("--workers", type=at_least(1), default=None, metavar="W")
-    parser.add_argument("--save", default=None, metavar="DIR", help="one folder per agent")
+    parser.add_argument(
+        "--competition",
+        required=True,
+        choices=sorted(COMPETITIONS),
+        help="the competition whose score class to use",
+    )
+    parser.add_argument(
+        "--nb-scenario",
+        type=at_least(1),
+        default=None,
+        metavar="N",
+        help="scenarios (chronics) to play (default: the score class's, 16)",
+    )
+    parser.add_argument(
+        "--max-step",
+        type=parse_max_iter,
+        default=None,
+        metavar="M",
+        help="steps per scenario, or -1 for every step (default: the score class's, -1)",
+    )
+    parser.add_argument(
+        "--seed",
+        type=at_least(0),
+        default=None,
+        metavar="S",
+        help="derive one env seed and one agent seed per scenario from S (needs --nb-scenario)",
+    )
+    parser.add_argument(
+        "--workers",
+        type=at_least(1),
+        default=None,
+        metavar="W",
+        help="worker processes in all, for every agent and reference (default: CPU count)",
+    )
+    parser.add_argument(
+        "--save",
+        default=None,
+        metavar="DIR",
+        help="save the episodes in DIR, one folder per agent and per reference played",
+    )
     parser.add_argument("--resume", action="store_true", help="with --save: complete a score")
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
-    parser.add_argument("--plot", default=None, metavar="FILE.png")
-    parser.add_argument("--test", action=argparse.BooleanOptionalAction, default=None)
-    parser.add_argument("--backend", choices=("lightsim", "pandapower"), default=None)
-    parser.add_argument("--cache-dir", default=None, metavar="DIR")
+    parser.add_argument(
+        "--plot", default=None, metavar="FILE.png", help="draw each agent's scenario scores"
+    )
+    parser.add_argument(
+        "--test",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help=(
+            "use the small test copy of the env shipped in grid2op's wheel; default: on for "
+            f"{DEFAULT_ENV}, off otherwise"
+        ),
+    )
+    parser.add_argument(
+        "--backend",
+        choices=("lightsim", "pandapower"),
+        default=None,
+        help="power flow backend (default: lightsim when lightsim2grid is installed)",
+    )
+    parser.add_argument(
+        "--cache-dir",
+        default=None,
+        metavar="DIR",
+        help="where the reference statistics are cached (default: ~/.cache/asyncrunner/scores)",
+    )
     return parser
 
 

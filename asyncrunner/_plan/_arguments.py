@@ -336,6 +336,8 @@ def check_path_save(
             f"`{name}` must be a folder path (str or os.PathLike), got {type(path).__name__} "
             f"{path!r}"
         )
+    if not os.fspath(path):  # an unset shell variable ("--save $OUT"): not the current folder
+        raise ValueError(f"`{name}` is an empty path: give a folder to {purpose} (\".\": here)")
     folder = os.path.abspath(os.fspath(path))
     if os.path.exists(folder) and not os.path.isdir(folder):
         raise ValueError(f"`{name}` {folder!r} is a file: give a folder to {purpose}")
