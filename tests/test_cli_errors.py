@@ -237,6 +237,23 @@ def test_failed_row_under_raise_names_its_chronic(
     assert code == 1
     assert out.splitlines()[1].split()[:3] == ["0", "0000", "3/5"]
     assert "failed after 3 steps" in err and "failed at step" not in err
+    # The episodes not played once one failed are counted too.
+    argv = ["run", "--episodes", "3", "--workers", "1", "--max-iter", "5"]
+    code, out, err, _ = _main([*argv, "--agent", _agents(tmp_path, "boom_raise3")], capsys)
+    assert code == 1
+    assert out.splitlines()[-1].startswith("0/3 episodes played, 1 failed, 2 cancelled, ")
+
+
+def test_a_multimix_run_names_each_rows_mix_and_counts_every_mix(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    argv = ["run", "l2rpn_neurips_2020_track2", "--test", "-n", "1", "-w", "2", "--max-iter", "3"]
+    code, out, err, _ = _main(argv, capsys)
+    assert code == 0, err
+    lines = out.splitlines()
+    assert lines[0].split()[:3] == ["index", "mix", "chronic"]
+    assert [line.split()[:3] for line in lines[1:3]] == [["0", "x1", "001"], ["1", "x2.5", "001"]]
+    assert lines[3].startswith("2/2 episodes played, 0 failed, 6 steps")
 
 
 def test_show_a_file_says_it_is_a_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -20,6 +20,7 @@ from dataclasses import replace as _replace
 from .._model import (
     EpisodeResult,
 )
+from .._plan._mixes import mixes_of
 from ._common import (
     DEFAULT_ENV,
     QUIET,
@@ -205,11 +206,16 @@ def run_command(args: argparse.Namespace, parser: Parser, argv: list[str]) -> in
     saved = [r for r in results if r.error is None and r.index not in settings.tracker.started]
     steps = sum(r.nb_time_step for r in results if r not in saved)
     played = len(results) - len(failed) - len(saved)
+    # A multimix env plays the episodes on each of its mixes.
+    requested = settings.nb_episode * len(mixes_of(settings.env) or [None])
+    # Under --on-error raise, the episodes still to play when one failed are not played.
+    cancelled = requested - len(results)
     busy = elapsed - startup
     rate = f", {steps / busy:.0f} steps/s after {startup:.1f} s of startup" if busy > 0 else ""
     earlier = f", {len(saved)} already saved in {args.save}" if args.resume else ""
+    stopped = f", {cancelled} cancelled" if cancelled > 0 else ""
     print(
-        f"{played}/{settings.nb_episode} episodes played{earlier}, {len(failed)} failed, "
+        f"{played}/{requested} episodes played{earlier}, {len(failed)} failed{stopped}, "
         f"{steps} steps in {elapsed:.1f} s{rate}"
     )
     for r in failed:
@@ -280,21 +286,24 @@ def _report_interrupt(settings: Settings, args: argparse.Namespace, argv: list[s
 
 
 def _print_table(results: Sequence[EpisodeResult], *, seeded: bool) -> None:
-    header = ["index", "chronic", "steps/max", "cum reward"]
+    mixed = any(r.mix is not None for r in results)  # a multimix env: say which mix
+    header = ["index", *(["mix"] if mixed else []), "chronic", "steps/max", "cum reward"]
     if seeded:
         header += ["env seed", "agent seed"]
     header.append("error")
     rows = []
     for r in results:
         steps = f"{r.nb_time_step}/{r.max_ts if r.max_ts else '?'}"
-        row = [str(r.index), r.name or "-", steps, f"{r.cum_reward:.2f}"]
+        mix = [r.mix or "-"] if mixed else []
+        row = [str(r.index), *mix, r.name or "-", steps, f"{r.cum_reward:.2f}"]
         if seeded:
             row += [str(r.env_seed), str(r.agent_seed)]
         error = r.error
         row.append("" if error is None else one_line(f"{error.error_type}: {error.message}"))
         rows.append(row)
     widths = [max([len(h), *(len(row[i]) for row in rows)]) for i, h in enumerate(header)]
-    right = {0, 2, 3, 4, 5} if seeded else {0, 2, 3}
+    numbers = {"index", "steps/max", "cum reward", "env seed", "agent seed"}
+    right = {i for i, h in enumerate(header) if h in numbers}
     for row in [header, *rows]:
         cells = [
             cell.rjust(widths[i]) if i in right else cell.ljust(widths[i])

@@ -337,7 +337,7 @@ def check_path_save(
             f"{path!r}"
         )
     if not os.fspath(path):  # an unset shell variable ("--save $OUT"): not the current folder
-        raise ValueError(f"`{name}` is an empty path: give a folder to {purpose} (\".\": here)")
+        raise ValueError(f'`{name}` is an empty path: give a folder to {purpose} (".": here)')
     folder = os.path.abspath(os.fspath(path))
     if os.path.exists(folder) and not os.path.isdir(folder):
         raise ValueError(f"`{name}` {folder!r} is a file: give a folder to {purpose}")
