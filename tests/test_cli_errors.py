@@ -245,15 +245,28 @@ def test_failed_row_under_raise_names_its_chronic(
 
 
 def test_a_multimix_run_names_each_rows_mix_and_counts_every_mix(
-    capsys: pytest.CaptureFixture[str],
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     argv = ["run", "l2rpn_neurips_2020_track2", "--test", "-n", "1", "-w", "2", "--max-iter", "3"]
-    code, out, err, _ = _main(argv, capsys)
+    code, out, err, _ = _main([*argv, "--save", str(tmp_path / "mm")], capsys)
     assert code == 0, err
     lines = out.splitlines()
     assert lines[0].split()[:3] == ["index", "mix", "chronic"]
     assert [line.split()[:3] for line in lines[1:3]] == [["0", "x1", "001"], ["1", "x2.5", "001"]]
     assert lines[3].startswith("2/2 episodes played, 0 failed, 6 steps")
+    # show reads the folder of each mix (path_save/<mix>/<chronic>), as a score's of each agent.
+    code, out, err, _ = _main(["show", str(tmp_path / "mm")], capsys)
+    assert code == 0, err
+    assert [line.split()[:3] for line in out.splitlines()[1:3]] == [
+        ["x1/001", "001", "3/3"],
+        ["x2.5/001", "001", "3/3"],
+    ]
+    _usage_error(
+        ["show", str(tmp_path / "mm" / "x1" / "001")],
+        f"is one episode's folder: give the folder it was saved in ({tmp_path / 'mm' / 'x1'})",
+        capsys,
+        "show",
+    )
 
 
 def test_show_a_file_says_it_is_a_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -77,17 +77,27 @@ def episode_dirs(root: str | Path) -> list[Path]:
     )
 
 
+def _saved_dirs(root: Path) -> list[Path]:
+    """The episode folders of ``root``, or, when it has none, those of its subfolders: a
+    multimix run's (one folder per mix) or a score's (one per agent and reference)."""
+    found = episode_dirs(root)
+    if found:
+        return found
+    subfolders = sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
+    return [episode for sub in subfolders for episode in episode_dirs(sub)]
+
+
 def _read_json(path: Path) -> Any:
     with path.open() as f:
         return json.load(f)
 
 
 def read_run(root: Path) -> list[EpisodeSummary]:
-    """The summaries of the complete episode folders directly under ``root``, run by run
-    (earliest run first), each run in request order."""
+    """The summaries of the complete episode folders under ``root`` (``_saved_dirs``), run by
+    run (earliest run first), each run in request order."""
     out = []
     saved_at: dict[str | None, float] = {}
-    for folder in episode_dirs(root):
+    for folder in _saved_dirs(root):
         meta = _read_json(folder / "episode_meta.json")
         agent_time: float | None = None
         times_file = folder / "episode_times.json"
@@ -105,7 +115,7 @@ def read_run(root: Path) -> list[EpisodeSummary]:
         saved_at[run] = min(saved_at.get(run, mtime), mtime)
         out.append(
             EpisodeSummary(
-                folder=folder.name,
+                folder=folder.relative_to(root).as_posix(),
                 chronic=Path(chronics_path).name,
                 steps=int(meta["nb_timestep_played"]),
                 max_steps=int(meta["chronics_max_timestep"]),
@@ -189,7 +199,8 @@ def figure(root: Path, episodes: Sequence[EpisodeSummary]) -> Any:
 
     fig, (survival, reward) = plt.subplots(1, 2, figsize=(13, 4.8))
     names = [label(e) for e in episodes]
-    survival.bar(names, [e.max_steps for e in episodes], color="lightgrey", label="chronic length")
+    # The episode's maximum: its chronic's length, or max_iter when the run gave one.
+    survival.bar(names, [e.max_steps for e in episodes], color="lightgrey", label="max steps")
     survival.bar(names, [e.steps for e in episodes], label="steps played")
     survival.set(xlabel="episode", ylabel="steps", title="Survival")
     survival.tick_params(axis="x", labelrotation=45)
@@ -235,7 +246,14 @@ def main(argv: Sequence[str]) -> int:
         print(f"asyncrunner show: cannot read {root}: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
     if not episodes:
-        parser.error(f"no saved episode in {root} (folders with an episode_meta.json)")
+        if (root / "episode_meta.json").is_file():
+            parser.error(
+                f"{root} is one episode's folder: give the folder it was saved in "
+                f"({root.resolve().parent})"
+            )
+        parser.error(
+            f"no saved episode in {root} or its subfolders (folders with an episode_meta.json)"
+        )
     _print_table(episodes)
     if plot is not None:
         _plot(root, episodes, plot)
