@@ -141,6 +141,20 @@ def test_env_name_typo_suggests_the_closest_name_offline(
     assert "--test" not in line or test_flag  # "add --test" was no help
 
 
+def test_a_test_env_name_without_test_is_refused_offline(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    # Not downloaded: grid2op would try the network (about 12 s of retries offline).
+    monkeypatch.setattr("grid2op.get_current_local_dir", lambda: str(tmp_path))
+    _usage_error(
+        ["run", *SMALL, "--no-test", "rte_case14_realistic"],
+        "env 'rte_case14_realistic' is not downloaded (not in "
+        + repr(str(tmp_path))[1:-1]
+        + "): add --test for the small copy shipped with grid2op",
+        capsys,
+    )
+
+
 def test_missing_env_folder_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
     _usage_error(["run", *SMALL, "no/such/env"], "no env folder 'no/such/env'", capsys)
 

@@ -192,9 +192,15 @@ def _check_env_name(name: str, test: bool) -> None:
         local = sorted(
             e for e in os.listdir(local_dir) if os.path.isdir(os.path.join(local_dir, e))
         )
-    known = tests if test else sorted({*tests, *local})
+    known = tests if test else local
     if name in known:
         return
+    if name in tests:  # without --test grid2op would download the full dataset
+        raise UsageError(
+            f"env {name!r} is not downloaded (not in {local_dir}): add --test for the small copy "
+            f"shipped with grid2op, or run grid2op.make({name!r}) once to download the dataset"
+        )
+    known = sorted({*tests, *local})
     close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
     hint = f"did you mean {close[0]!r}? " if close else ""
     if test:
