@@ -175,6 +175,42 @@ async def test_vectors_give_the_same_results(env: Any) -> None:
     assert len(set(agent.choices)) > 1
 
 
+class MarginAgent(BaseAgent):  # type: ignore[misc]  # grid2op is untyped
+    """Deterministic, from values an observation's vector leaves out (its thermal limits):
+    disconnects the line closest to its limit once its margin falls under 150 A."""
+
+    def act(self, observation: Any, reward: float, done: bool = False) -> Any:
+        margin = observation.thermal_limit - observation.a_or
+        if margin.min() < 150:
+            return self.action_space({"set_line_status": [(int(np.argmin(margin)), -1)]})
+        return self.action_space({})
+
+
+async def test_observations_in_the_orchestrator_hold_what_their_vector_leaves_out(
+    env: Any,
+) -> None:
+    # from_vect leaves them as allocated (np.empty): garbage, unless the worker sends them.
+    kwargs: dict[str, Any] = dict(
+        nb_episode=2, env_seeds=[0, 1], agent_seeds=[0, 1], episode_id=[0, 1]
+    )
+    expected = await in_worker(env, MarginAgent, **kwargs)
+    assert await play(env, CentralAgent(MarginAgent), **kwargs) == expected
+    seen: list[Any] = []
+
+    class Probe(MarginAgent):
+        def act(self, observation: Any, reward: float, done: bool = False) -> Any:
+            seen.append((observation.thermal_limit.copy(), observation.support_theta))
+            return super().act(observation, reward, done)
+
+    await play(
+        env, CentralAgent(Probe), nb_episode=1, env_seeds=[0], agent_seeds=[0], episode_id=[0],
+        max_iter=3,
+    )  # fmt: skip
+    assert seen and all(
+        np.array_equal(limits, env.get_thermal_limit()) and theta is True for limits, theta in seen
+    )
+
+
 async def test_seeded_agent_class_in_orchestrator_matches_in_worker(env: Any) -> None:
     # One RandomAgent per episode, seeded with its agent seed, as in a worker.
     assert await play(env, CentralAgent(RandomAgent)) == await in_worker(env, RandomAgent)

@@ -143,7 +143,10 @@ class _Server:
         if self.central.vectors:
             return call.observation
         space = self.env_of(call.index).observation_space
-        return space.from_vect(call.observation, check_legit=False)
+        obs = space.from_vect(call.observation, check_legit=False)
+        for name, value in call.extras.items():
+            setattr(obs, name, value)
+        return obs
 
     async def _observation_off_loop(self, call: AgentCall) -> Any:
         # Rebuilding an observation costs about a step (~1 ms): not on the event loop.

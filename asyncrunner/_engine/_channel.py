@@ -113,6 +113,9 @@ class AgentCall:
     done: bool
     agent_seed: int | None
     first: bool
+    # The observation's values its vector leaves out (its thermal limits, voltage angles, ...),
+    # by attribute name: set on the observation rebuilt from the vector.
+    extras: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -70,6 +70,9 @@ class _RemoteAgent:
     def act(self, obs: Any, reward: float, done: bool = False) -> Any:
         job = self.job
         fill(self.row, obs)
+        names = _EXTRAS.get(type(obs))
+        if names is None:
+            names = _EXTRAS[type(obs)] = _extra_names(obs)
         call = _channel.AgentCall(
             run_id=job.run_id,
             index=job.index,
@@ -79,6 +82,7 @@ class _RemoteAgent:
             done=bool(done),
             agent_seed=job.agent_seed,
             first=self.first,
+            extras={name: getattr(obs, name) for name in names},
         )
         reply = _channel.call(job.address, job.token, call)
         self.first = False
@@ -92,6 +96,23 @@ class _RemoteAgent:
             if len(self.cache) < self._CACHE_SIZE:
                 self.cache[key] = action
         return action.copy()  # the env may keep or change what it is given
+
+
+# The values of an observation class that its vector leaves out, by class (``_extra_names``).
+_EXTRAS: dict[type, tuple[str, ...]] = {}
+
+
+def _extra_names(obs: Any) -> tuple[str, ...]:
+    """The attributes of ``obs`` holding values (arrays, numbers) that ``to_vect`` leaves out and
+    ``from_vect`` cannot rebuild: its thermal limits, voltage angles, alarm state, shunts..."""
+    in_vector = set(type(obs).attr_list_vect)
+    return tuple(
+        name
+        for name, value in vars(obs).items()
+        if name not in in_vector
+        and name != "_vectorized"  # the cached vector itself
+        and isinstance(value, (np.ndarray, np.generic, bool, int, float))
+    )
 
 
 def _reset_options(job: EpisodeJob) -> dict[str, Any]:
