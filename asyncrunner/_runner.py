@@ -82,7 +82,8 @@ class AsyncRunner(AsyncResource):
     grid2op's Runner builds one: the first step comes sooner (no grid to load), and each episode
     still plays a copy of that env. The results equal grid2op's Runner's when ``env`` is as
     ``grid2op.make`` returned it (``tests/test_parity.py``), not after you stepped, reset,
-    seeded or changed it. Other workers (spawned, an executor, Dask) build their env as usual.
+    seeded or changed it (parameters given to ``env.change_parameters`` and not applied by a
+    reset yet are refused). Other workers (spawned, an executor, Dask) build their env as usual.
     """
 
     def __init__(
@@ -182,6 +183,8 @@ class AsyncRunner(AsyncResource):
         pristine env). With ``copy_env``, a copy of the caller's env instead of a build."""
         self._check_open()
         if self._get_pool().forks_this_process and not self._held:
+            if self.copy_env:
+                _check_no_pending_parameters(self._first_env)
             self._held = True  # before the await: a cancel lands after the hold is done
             make = self._first_env.copy if self.copy_env else None
             self._held = await anyio.to_thread.run_sync(
@@ -400,6 +403,26 @@ class AsyncRunner(AsyncResource):
                     yield receive
                 finally:
                     group.cancel_scope.cancel()
+
+
+def _check_no_pending_parameters(env: Any) -> None:
+    """``copy_env``'s copies would apply parameters given to ``env.change_parameters`` (or
+    ``change_forecast_parameters``) at their first reset, where grid2op's Runner builds its env
+    with the env's current ones (``get_params_for_runner``): refuse rather than differ."""
+    pending = [
+        call
+        for call, attr in (
+            ("change_parameters", "_BaseEnv__new_param"),
+            ("change_forecast_parameters", "_BaseEnv__new_forecast_param"),
+        )
+        if getattr(env, attr, None) is not None
+    ]
+    if pending:
+        raise ValueError(
+            f"copy_env=True: the env has parameters given to env.{pending[0]}(...) that apply at "
+            "its next reset, so copies of it would not play as grid2op's Runner plays this env: "
+            "call env.reset() first, or use copy_env=False"
+        )
 
 
 async def _detailed(results: list[EpisodeResult], data: dict[int, Any]) -> list[EpisodeResult]:

@@ -256,6 +256,29 @@ def test_copy_env_must_be_a_bool(env: Any) -> None:
         AsyncRunner(env, agent=DoNothingAgent, copy_env="yes")  # type: ignore[arg-type]
 
 
+async def test_copy_env_refuses_an_env_with_parameters_pending_a_reset(env: Any) -> None:
+    # Its copies would apply them at their first reset; grid2op's Runner builds with the
+    # env's current ones: refused before any worker starts, and fine once the env is reset.
+    changed = env.copy()
+    try:
+        params = changed.parameters
+        params.NO_OVERFLOW_DISCONNECTION = True
+        changed.change_parameters(params)
+        runner = AsyncRunner(changed, agent=DoNothingAgent, workers=1, copy_env=True)
+        try:
+            with pytest.raises(
+                ValueError, match=r"change_parameters\(...\) that apply at its next"
+            ):
+                await runner.__aenter__()
+        finally:
+            await runner.aclose()
+        changed.reset()
+        async with AsyncRunner(changed, agent=DoNothingAgent, workers=1, copy_env=True) as runner:
+            assert (await runner.run(1, max_iter=2))[0].nb_time_step == 2
+    finally:
+        changed.close()
+
+
 async def test_thermal_limit_reset_option_does_not_leak(env: Any, grid2op_reference: Any) -> None:
     low = env.get_thermal_limit() * 0.5
     kwargs: dict[str, Any] = dict(
