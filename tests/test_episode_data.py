@@ -538,13 +538,14 @@ async def test_cancel_leaves_complete_folders_and_resume_finishes(
         assert other[0].path == str(tmp_path / "0000_1")
 
 
-async def test_resume_needs_path_save(case14: dict[str, Any]) -> None:
+async def test_resume_needs_path_save(case14: dict[str, Any], tmp_path: Path) -> None:
     runner = AsyncRunner(case14["env"], agent=RandomAgent, workers=1)
     try:
         with pytest.raises(ValueError, match="path_save"):
             await runner.run(1, resume=True)
         with pytest.raises(ValueError, match="'compact' cannot go with resume=True"):
-            await runner.run(1, resume=True, path_save="x", add_detailed_output="compact")
+            await runner.run(1, resume=True, path_save=tmp_path, add_detailed_output="compact")
+        assert [p async for p in anyio.Path(tmp_path).iterdir()] == []  # nothing written
     finally:
         await runner.aclose()
 
