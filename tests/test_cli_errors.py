@@ -176,6 +176,25 @@ def test_agent_file_raising_at_import(tmp_path: Path, capsys: pytest.CaptureFixt
     assert "raising_agent.py, line 2" in line
 
 
+@pytest.mark.parametrize(
+    ("spec", "hint"),
+    [
+        ("RandomAgent()", "did you mean 'RandomAgent'? "),  # a call
+        ("randomagnt", "did you mean 'RandomAgent'? "),  # a typo
+        ("grid2op.Agent.RandomAgent", "did you mean 'RandomAgent'? "),  # its module
+        ("Foo", ""),
+    ],
+)
+def test_an_unknown_agent_name_suggests_grid2ops_closest(
+    spec: str, hint: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _usage_error(
+        ["run", *SMALL, "--agent", spec],
+        f"--agent {spec!r}: not an agent in grid2op.Agent; {hint}your own agent: module:Name",
+        capsys,
+    )
+
+
 def test_abstract_agent_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
     _usage_error(["run", *SMALL, "--agent", "BaseAgent"], "is abstract", capsys)
 
@@ -210,6 +229,13 @@ def test_score_refusals_are_one_line_before_any_episode(
     _usage_error(
         [*score, "--competition", "l2rpn_2020", "--cache-dir", str(taken)],
         "`cache_dir` " + repr(str(taken)) + " is a file",
+        capsys,
+        prog="score",
+    )
+    seeded = ["score", "--agent", "DoNothingAgent", "--competition", "l2rpn_2020", "--seed", "3"]
+    _usage_error(
+        [*seeded, "no_such_env"],
+        "--seed needs --nb-scenario N",  # before the env (here, an unknown one) is looked at
         capsys,
         prog="score",
     )

@@ -284,6 +284,14 @@ async def test_bad_arguments_fail_before_any_episode(
     assert not (tmp_path / "cache").exists()
 
 
+def test_a_central_agent_is_labelled_by_the_agent_it_holds(env: Any) -> None:
+    from asyncrunner import CentralAgent
+    from asyncrunner._score._grid2op import agent_label
+
+    assert agent_label(CentralAgent(DoNothingAgent)) == "DoNothingAgent"
+    assert agent_label(CentralAgent(RandomAgent(env.action_space))) == "RandomAgent"
+
+
 class FailingAgent(BaseAgent):  # type: ignore[misc]  # grid2op is untyped
     """Raises at its third step."""
 

@@ -108,8 +108,8 @@ def load_agent(spec: str) -> Any:
         agent = getattr(grid2op.Agent, spec, None)
         if agent is None:
             raise UsageError(
-                f"--agent {spec!r}: not an agent in grid2op.Agent; use module:Name or "
-                "path/to/file.py:Name"
+                f"--agent {spec!r}: not an agent in grid2op.Agent; {_agent_hint(spec)}your own "
+                "agent: module:Name or path/to/file.py:Name"
             )
     else:
         where, _, attr = spec.rpartition(":")
@@ -126,6 +126,21 @@ def load_agent(spec: str) -> Any:
     except TypeError as exc:
         raise UsageError(f"--agent {spec!r}: {exc}") from None
     return agent
+
+
+def _agent_hint(spec: str) -> str:
+    """ "did you mean X? " for a grid2op agent named with a typo, a call or its module."""
+    import difflib
+
+    import grid2op.Agent
+
+    names = [n for n in dir(grid2op.Agent) if n[:1].isupper()]
+    bare = spec.removesuffix("()").rpartition(".")[2]  # "RandomAgent()", "grid2op.Agent.X"
+    close = difflib.get_close_matches(bare, names, n=1, cutoff=0.6)
+    if not close:
+        lower = {n.lower(): n for n in names}
+        close = [lower[bare.lower()]] if bare.lower() in lower else []
+    return f"did you mean {close[0]!r}? " if close else ""
 
 
 def _import_module(name: str) -> Any:

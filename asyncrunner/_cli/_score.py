@@ -136,6 +136,8 @@ def main(argv: Sequence[str]) -> int:
         parser.error("--resume needs --save DIR: the folder of the score to resume")
     if args.plot is not None:
         check_plot(parser, Path(args.plot))
+    if args.seed is not None and args.nb_scenario is None:
+        parser.error("--seed needs --nb-scenario N (one seed pair per scenario)")
     try:
         agents = [load_agent(spec) for spec in args.agent]
         env = make_env(args.env, test=args.test, backend=args.backend)
@@ -147,8 +149,6 @@ def main(argv: Sequence[str]) -> int:
         nb = args.nb_scenario
         seeds: tuple[Any, Any] = (None, None)
         if args.seed is not None:
-            if nb is None:
-                parser.error("--seed needs --nb-scenario N (one seed pair per scenario)")
             seeds = derive_seeds(args.seed, nb)
         results = asyncio.run(
             score(

@@ -54,6 +54,10 @@ def default_cache_dir() -> str:
 
 
 def agent_label(agent: Any) -> str:
+    from .._engine._central import CentralAgent
+
+    if isinstance(agent, CentralAgent):
+        return agent_label(agent.agent)  # the agent it holds, as its saved episodes name it
     if isinstance(agent, type):
         return agent.__name__
     name = getattr(agent, "__name__", None)
