@@ -75,6 +75,7 @@ from ._common import (
     QUIET,
     Parser,
     UsageError,
+    add_env_options,
     at_least,
     check_plot,
     derive_seeds,
@@ -104,18 +105,7 @@ def build_parser() -> Parser:
     parser.add_argument(
         "--env", default=DEFAULT_ENV, help=f"grid2op env name or path (default: {DEFAULT_ENV})"
     )
-    parser.add_argument(
-        "--test",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help=f"grid2op.make(..., test=True); default: on for {DEFAULT_ENV}, off otherwise",
-    )
-    parser.add_argument(
-        "--backend",
-        choices=("lightsim", "pandapower"),
-        default=None,
-        help="power flow backend (default: lightsim when lightsim2grid is installed)",
-    )
+    add_env_options(parser)
     parser.add_argument(
         "--agent",
         default="DoNothingAgent",

@@ -18,6 +18,7 @@ __all__ = [
     "QUIET",
     "Parser",
     "UsageError",
+    "add_env_options",
     "at_least",
     "check_plot",
     "derive_seeds",
@@ -43,6 +44,25 @@ class Parser(argparse.ArgumentParser):
 
 class UsageError(Exception):
     """A bad argument found after parsing (unknown agent, env that cannot be made, ...)."""
+
+
+def add_env_options(parser: argparse.ArgumentParser) -> None:
+    """``--test`` and ``--backend``, which every command that makes an env takes (``make_env``)."""
+    parser.add_argument(
+        "--test",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help=(
+            "use the small test copy of the env shipped in grid2op's wheel (grid2op.make(..., "
+            f"test=True)); default: on for {DEFAULT_ENV}, off otherwise"
+        ),
+    )
+    parser.add_argument(
+        "--backend",
+        choices=("lightsim", "pandapower"),
+        default=None,
+        help="power flow backend (default: lightsim when lightsim2grid is installed)",
+    )
 
 
 def check_plot(parser: argparse.ArgumentParser, plot: Path) -> None:

@@ -26,6 +26,7 @@ from ._common import (
     QUIET,
     Parser,
     UsageError,
+    add_env_options,
     at_least,
     one_line,
     parse_max_iter,
@@ -56,21 +57,7 @@ def build_parser() -> tuple[Parser, Parser]:
         default=DEFAULT_ENV,
         help=f"grid2op env name or path to an env folder (default: {DEFAULT_ENV})",
     )
-    run.add_argument(
-        "--test",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help=(
-            "use the small test copy of the env shipped in grid2op's wheel (grid2op.make(..., "
-            f"test=True)); default: on for {DEFAULT_ENV}, off otherwise"
-        ),
-    )
-    run.add_argument(
-        "--backend",
-        choices=("lightsim", "pandapower"),
-        default=None,
-        help="power flow backend (default: lightsim when lightsim2grid is installed)",
-    )
+    add_env_options(run)
     run.add_argument(
         "--agent",
         default="DoNothingAgent",

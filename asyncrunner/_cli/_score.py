@@ -7,7 +7,6 @@ prints the same as JSON; ``--plot FILE.png`` draws score per scenario and surviv
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import sys
@@ -23,6 +22,7 @@ from ._common import (
     QUIET,
     Parser,
     UsageError,
+    add_env_options,
     at_least,
     check_plot,
     derive_seeds,
@@ -102,21 +102,7 @@ def _parser() -> Parser:
     parser.add_argument(
         "--plot", default=None, metavar="FILE.png", help="draw each agent's scenario scores"
     )
-    parser.add_argument(
-        "--test",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help=(
-            "use the small test copy of the env shipped in grid2op's wheel; default: on for "
-            f"{DEFAULT_ENV}, off otherwise"
-        ),
-    )
-    parser.add_argument(
-        "--backend",
-        choices=("lightsim", "pandapower"),
-        default=None,
-        help="power flow backend (default: lightsim when lightsim2grid is installed)",
-    )
+    add_env_options(parser)
     parser.add_argument(
         "--cache-dir",
         default=None,
