@@ -242,20 +242,16 @@ def _stats_for(
         "reference": ref.name,
         "agent": "DoNothingAgent" if ref.agent is None else type(ref.agent).__name__,
         "env": os.path.realpath(env.get_path_env()),
-        "env_name": env.env_name,
+        # Everything the env was made with (its backend, rewards, opponent, chronics class,
+        # thermal limits, ...): what workers build it from, as the runners' recipes key it.
+        "env_key": env_key(env),
         "chronics": sorted(map(str, getattr(env.chronics_handler.real_data, "subpaths", []))),
         "nb_scenario": int(scorer.nb_scenario),
         "max_step": int(scorer.max_step),
         "env_seeds": None if env_seeds is None else [int(s) for s in env_seeds],
         "agent_seeds": None if agent_seeds is None else [int(s) for s in agent_seeds],
-        "parameters": params.to_dict(),
-        "backend": f"{type(env.backend).__module__}.{type(env.backend).__name__}",
-        "reward": str(env._reward_helper.rewardClass),
-        "other_rewards": sorted(f"{k}={v.rewardClass}" for k, v in env.other_rewards.items()),
+        "parameters": params.to_dict(),  # the reference's own (env_key has the env's)
         "scores": str(scorer.scores_func),
-        # Everything else the env was made with (its opponent, chronics class, thermal limits,
-        # backend's arguments, ...): what workers build it from, as the runners' recipes key it.
-        "env_key": env_key(env),
     }
     digest = hashlib.blake2b(json.dumps(key, sort_keys=True).encode(), digest_size=12)
     stats = Stats(env, ref.name)
