@@ -427,6 +427,7 @@ def _fan_out(
 
 
 async def _consume(sink: Sink, receive: MemoryObjectReceiveStream[Event]) -> None:
+    first: BaseException | None = None
     try:
         async with receive:
             while True:
@@ -440,17 +441,16 @@ async def _consume(sink: Sink, receive: MemoryObjectReceiveStream[Event]) -> Non
                     raise SinkError(
                         f"sink {sink!r} failed on {type(event).__name__}: {type(exc).__name__}: {exc}"
                     ) from exc
-    except BaseException as first:  # the error to tell (or the cancellation to pass on)
+    except BaseException as exc:  # the error to tell (or the cancellation to pass on)
+        first = exc
+        raise
+    finally:
         with anyio.CancelScope(shield=True):
             try:
                 await sink.aclose()
             except Exception as exc:
+                if first is None:
+                    raise SinkError(
+                        f"sink {sink!r} failed closing (aclose): {type(exc).__name__}: {exc}"
+                    ) from exc
                 first.add_note(f"then sink {sink!r} failed closing: {type(exc).__name__}: {exc}")
-        raise
-    with anyio.CancelScope(shield=True):
-        try:
-            await sink.aclose()
-        except Exception as exc:
-            raise SinkError(
-                f"sink {sink!r} failed closing (aclose): {type(exc).__name__}: {exc}"
-            ) from exc
