@@ -192,6 +192,7 @@ def test_example_script_runs(tmp_path: Path) -> None:
         (["--agent", "no_such_module_here:Agent"], "no module named 'no_such_module_here'"),
         (["--agent", "missing.py:Agent"], "no such file 'missing.py'"),
         (["--episode-id", "0", "1", "--episodes", "3"], "gives 2 ids but --episodes is 3"),
+        (["--test", "--episode-id", "0", "rte_case14_opponent"], "give it before --episode-id"),
         (["--scheduler", "tcp://127.0.0.1:1", "--dask-local", "2"], "choose one of"),
     ],
 )

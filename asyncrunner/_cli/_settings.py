@@ -19,7 +19,7 @@ from .._model import (
     RunStarted,
 )
 from ..sinks import Sink
-from ._common import UsageError, derive_seeds, load_agent, make_env
+from ._common import DEFAULT_ENV, UsageError, derive_seeds, load_agent, make_env
 
 __all__ = ["Settings"]
 
@@ -45,6 +45,7 @@ class Settings:
         if args.scheduler is not None:
             _check_scheduler(args.scheduler)
         self.env = make_env(args.env, test=args.test, backend=args.backend)
+        names = None
         try:
             names = chronic_names(self.env)
             ids = None
@@ -100,7 +101,7 @@ class Settings:
             )
         except (ValueError, TypeError) as exc:
             self.env.close()
-            raise UsageError(str(exc)) from None
+            raise UsageError(str(exc) + _swallowed_env_hint(args, names)) from None
         except BaseException:
             self.env.close()
             raise
@@ -130,6 +131,17 @@ def _episode_id(text: str, names: list[str] | None) -> int | str:
         return int(text)
     except ValueError:
         return text
+
+
+def _swallowed_env_hint(args: argparse.Namespace, names: list[str] | None) -> str:
+    """`run --episode-id 0000 my_env` reads my_env as an id and plays the default env."""
+    last = (args.episode_id or [""])[-1]
+    if args.env != DEFAULT_ENV or (names is not None and last in names) or last.isdigit():
+        return ""
+    return (
+        f" (if {last!r} is the env to play, give it before --episode-id, which takes every word "
+        f"after it: asyncrunner run {last} --episode-id ...)"
+    )
 
 
 def _check_scheduler(address: str) -> None:
