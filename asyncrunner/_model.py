@@ -153,14 +153,20 @@ class EpisodeFinished:
     files: Mapping[str, Mapping[str, bytes] | Staged] = field(default_factory=dict, repr=False)
 
 
+# EpisodeFailed.error_type of an episode still playing when another one's failure stopped the
+# run (``on_error="raise"``): it ends too, and has no result.
+STOPPED = "Stopped"
+
+
 @dataclass(frozen=True)
 class EpisodeFailed:
     """An episode failed: an exception in the agent or env, or a worker that died.
 
     ``step``: the steps played when it failed. When its worker died (or was stopped by
-    ``episode_timeout``) ``steps_lost`` is true and ``step`` is the last step received from it:
-    the steps it played since its last batch were never sent. ``retrying`` says the episode
-    will start again on another attempt.
+    ``episode_timeout``, or by another episode's failure under ``on_error="raise"``:
+    ``error_type`` ``"Stopped"``) ``steps_lost`` is true and ``step`` is the last step received
+    from it: the steps it played since its last batch were never sent. ``retrying`` says the
+    episode will start again on another attempt.
     """
 
     run_id: str

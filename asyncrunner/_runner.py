@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import inspect
 import numbers
 import os
 from collections.abc import AsyncIterator, Sequence
@@ -127,6 +128,7 @@ class AsyncRunner(AsyncResource):
             raise ValueError(f"`retries` must be an integer >= 0, got {retries!r}")
         if not isinstance(copy_env, bool):
             raise TypeError(f"`copy_env` must be True or False, got {copy_env!r}")
+        _check_sinks(sinks)
         kind, payload = agent_recipe(agent)
         self._agent_name = agent_name(agent)
         # A MultiMixEnvironment: one recipe per mix (each mix is an env of its own for grid2op).
@@ -276,12 +278,7 @@ class AsyncRunner(AsyncResource):
             retries = self.retries
         elif isinstance(retries, bool) or not isinstance(retries, int) or retries < 0:
             raise ValueError(f"`retries` must be an integer >= 0, got {retries!r}")
-        for sink in sinks:
-            if not isinstance(sink, Sink):
-                raise TypeError(
-                    f"sinks must be asyncrunner.sinks.Sink instances, got {type(sink).__name__}; "
-                    "wrap a function in CallbackSink(fn)"
-                )
+        _check_sinks(sinks)
         plan = await plan_run(
             nb_episode,
             names=self._names,
@@ -403,6 +400,21 @@ class AsyncRunner(AsyncResource):
                     yield receive
                 finally:
                     group.cancel_scope.cancel()
+
+
+def _check_sinks(sinks: Sequence[Sink]) -> None:
+    for sink in sinks:
+        if not isinstance(sink, Sink):
+            raise TypeError(
+                f"sinks must be asyncrunner.sinks.Sink instances, got {type(sink).__name__}; "
+                "wrap a function in CallbackSink(fn)"
+            )
+        for method in ("send", "aclose"):
+            if not inspect.iscoroutinefunction(getattr(sink, method)):
+                raise TypeError(
+                    f"{type(sink).__name__}.{method} must be a coroutine function (async def "
+                    f"{method}(...)); for a plain function, use CallbackSink(fn)"
+                )
 
 
 def _check_no_pending_parameters(env: Any) -> None:

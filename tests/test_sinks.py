@@ -6,6 +6,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -19,6 +20,7 @@ from grid2op.Agent import BaseAgent, DoNothingAgent
 
 from asyncrunner import (
     AsyncRunner,
+    EpisodeError,
     EpisodeFailed,
     EpisodeFinished,
     EpisodeStarted,
@@ -432,6 +434,113 @@ async def test_logging_sink_logs_failures_with_traceback(
     )
     assert "Traceback (most recent call last)" in errors[0]
     assert errors[0].rstrip().endswith("RuntimeError: agent exploded")
+
+
+class FailsWithSeedOne(BaseAgent):  # type: ignore[misc]  # grid2op is untyped
+    """Does nothing; in the episode seeded 1, raises once the episode seeded 0 has played 20
+    steps (``playing``: a file that episode creates)."""
+
+    playing = ""  # set before the runner forks its workers
+
+    def __init__(self, action_space: Any) -> None:
+        super().__init__(action_space)
+        self.calls, self.seeded = 0, None
+
+    def seed(self, seed: Any) -> tuple[Any, ...]:
+        self.seeded = seed
+        return (seed,)
+
+    def act(self, observation: Any, reward: float, done: bool = False) -> Any:
+        self.calls += 1
+        if self.seeded == 0 and self.calls == 20:
+            Path(self.playing).touch()
+        if self.seeded == 1 and self.calls == 20:
+            deadline = time.monotonic() + TIMEOUT
+            while not os.path.exists(self.playing) and time.monotonic() < deadline:
+                time.sleep(0.01)
+            raise RuntimeError("agent exploded")
+        return self.action_space({})
+
+
+async def test_an_episode_stopped_by_another_ones_failure_ends_with_an_event_too(
+    env: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(FailsWithSeedOne, "playing", str(tmp_path / "playing"))
+    record = Recorder()
+    async with AsyncRunner(env, agent=FailsWithSeedOne, workers=2) as runner:
+        with anyio.fail_after(TIMEOUT), pytest.raises(EpisodeError, match="agent exploded"):
+            await runner.run(2, agent_seeds=[0, 1], sinks=[CallbackSink(record)])
+    started = [e.index for e in record.events if isinstance(e, EpisodeStarted)]
+    ends = [e for e in record.events if isinstance(e, EpisodeFinished | EpisodeFailed)]
+    assert sorted(started) == [0, 1]  # episode 0 (575 steps) was playing
+    assert sorted(e.index for e in ends) == [0, 1]  # one end each
+    assert isinstance(record.events[-1], RunFinished)
+    stopped = next(e for e in ends if e.index == 0)
+    assert isinstance(stopped, EpisodeFailed) and stopped.error_type == "Stopped"
+    assert "episode 1 failed first" in stopped.message
+    assert stopped.steps_lost and not stopped.retrying
+    assert [r.index for r in record.events[-1].results] == [1]  # a stopped episode has no result
+
+
+async def test_a_sink_serves_one_run_at_a_time(env: Any, tmp_path: Path) -> None:
+    """A sink holds its run's state: a second run cannot share it while the first plays."""
+    from asyncrunner.sinks import EpisodeDataWriter
+
+    writer = EpisodeDataWriter(tmp_path)
+    record = Recorder()
+    async with AsyncRunner(env, agent=DoNothingAgent, workers=2, sinks=[writer]) as runner:
+        with anyio.fail_after(TIMEOUT):
+            async with anyio.create_task_group() as group:
+                first: list[Any] = []
+
+                async def play_first() -> None:
+                    first.extend(await runner.run(1, episode_id=[0], sinks=[CallbackSink(record)]))
+
+                group.start_soon(play_first)
+                await record.wait_for(2)  # RunStarted, EpisodeStarted: the first run plays
+                with pytest.raises(RuntimeError, match="already serving a run"):
+                    await runner.run(1, episode_id=[1], max_iter=5)
+            # The first run's episode is saved where its result says.
+            assert first[0].path == str(tmp_path / "0000") and first[0].nb_time_step == 575
+            saved = [p.name async for p in anyio.Path(tmp_path).iterdir() if await p.is_dir()]
+            assert saved == ["0000"]
+            # One run after the other, as the runner's sinks are for.
+            second = await runner.run(1, episode_id=[1], max_iter=5)
+            assert second[0].path == str(tmp_path / "0001")
+            with pytest.raises(RuntimeError, match="already serving a run"):
+                await runner.run(1, max_iter=3, sinks=[writer])  # the runner's, and again
+
+
+async def test_events_arrays_are_read_only(runner: AsyncRunner) -> None:
+    """Every sink gets the same event: one scaling ``rewards`` in place would change the others'."""
+    record = Recorder()
+    with anyio.fail_after(TIMEOUT):
+        await runner.run(1, max_iter=3, sinks=[CallbackSink(record)])
+    arrays = [
+        (type(e).__name__, name, value)
+        for e in record.events
+        if isinstance(e, EpisodeStarted | StepBatch)
+        for name, value in vars(e).items()
+        if isinstance(value, np.ndarray)
+    ]
+    assert {name for _, name, _ in arrays} >= {"observation", "observations", "rewards", "done"}
+    assert [(kind, name) for kind, name, a in arrays if a.flags.writeable] == []
+
+
+class PlainSend(Sink):
+    def send(self, event: Event) -> None:  # type: ignore[override]  # the mistake under test
+        pass
+
+
+async def test_a_sink_whose_send_is_not_async_is_refused_before_the_run(
+    runner: AsyncRunner,
+) -> None:
+    record = Recorder()
+    with pytest.raises(TypeError, match=r"PlainSend.send must be a coroutine function.*Callback"):
+        await runner.run(1, max_iter=3, sinks=[CallbackSink(record), PlainSend()])
+    assert record.events == []
+    with pytest.raises(TypeError, match=r"PlainSend\.send"):
+        AsyncRunner(runner.env, agent=DoNothingAgent, sinks=[PlainSend()])
 
 
 _SCRIPT = """

@@ -11,15 +11,19 @@ Episodes are handed out one at a time: a dispatcher that finishes takes the next
 from __future__ import annotations
 
 import secrets
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+import threading
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 import anyio
+import numpy as np
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from .._exceptions import EpisodeError, SinkError, leaves
 from .._model import (
+    STOPPED,
     EpisodeFailed,
     EpisodeFinished,
     EpisodeRequest,
@@ -112,6 +116,10 @@ class Run:
         self, out: MemoryObjectSendStream[Event] | None = None
     ) -> list[EpisodeResult]:
         """Play every request; returns the results in request order (raises under ``"raise"``)."""
+        with _one_run_each(self.sinks):
+            return await self._execute(out)
+
+    async def _execute(self, out: MemoryObjectSendStream[Event] | None) -> list[EpisodeResult]:
         sink_sends: list[MemoryObjectSendStream[Event]] = []
         async with (
             open_channel(listen=self.pool.listen) as channel,
@@ -211,6 +219,31 @@ class Run:
                     break
                 if self._remaining == 0:
                     break  # the dispatchers return on their own (cancelling would kill workers)
+        if self.failure is not None and self.on_error == "raise":
+            await self._end_stopped(emit)
+
+    async def _end_stopped(self, emit: Callable[[Event], Awaitable[None]]) -> None:
+        """The episodes still playing when the first failure stopped the run end with an
+        ``EpisodeFailed`` too: every ``EpisodeStarted`` has its end (they get no result)."""
+        assert self.failure is not None
+        for index, started in list(self._started.items()):
+            key = (index, started.attempt)
+            if key in self._closed or index in self.results:
+                continue
+            self._closed.add(key)
+            await emit(
+                EpisodeFailed(
+                    run_id=self.run_id,
+                    index=index,
+                    attempt=started.attempt,
+                    error_type=STOPPED,
+                    message=f"stopped: episode {self.failure.index} failed first, and "
+                    'on_error="raise" stops the run there',
+                    traceback="",
+                    step=self._last_step.get(key, 0),
+                    steps_lost=True,
+                )
+            )
 
     async def _collect(self, event: Any, emit: Callable[[Event], Awaitable[None]]) -> None:
         if event.run_id != self.run_id:
@@ -225,6 +258,8 @@ class Run:
             self._closed.add(key)
             self._ended(key)
             return
+        if isinstance(event, EpisodeStarted | StepBatch):
+            _read_only(event)  # every sink gets this one object: none may change it for others
         if isinstance(event, EpisodeStarted):
             self._started[event.index] = event
             watchdog = self._watchdogs.get(key)
@@ -402,12 +437,46 @@ class Run:
         )
 
 
+# The sinks serving a run now, by id: a sink's state is its run's (RunStarted starts it, aclose
+# ends it), so a sink shared by two runs at once would mix them up (one writer saving one run's
+# episode under the other's name).
+_BUSY: set[int] = set()
+_BUSY_LOCK = threading.Lock()
+
+
+@contextmanager
+def _one_run_each(sinks: Sequence[Sink]) -> Iterator[None]:
+    sinks = [sink for sink in sinks if sink.one_run_at_a_time]
+    ids = [id(sink) for sink in sinks]
+    with _BUSY_LOCK:
+        for i, sink in enumerate(sinks):
+            if ids[i] in _BUSY or ids[i] in ids[:i]:
+                raise RuntimeError(
+                    f"sink {sink!r} is already serving a run: a sink serves one run at a time. "
+                    "Give each run that overlaps another its own sinks (run(..., sinks=[...]), "
+                    "path_save=...); AsyncRunner(sinks=[...]) suits runs played one after the "
+                    "other"
+                )
+        _BUSY.update(ids)
+    try:
+        yield
+    finally:
+        with _BUSY_LOCK:
+            _BUSY.difference_update(ids)
+
+
 def _writer_of(sink: Sink) -> tuple[str | None, Writer | None]:
     """The mix ``sink`` saves (``None``: every mix) and its ``Writer``, if it is one."""
     mix = None
     if isinstance(sink, OnlyMix):
         mix, sink = sink.mix, sink.sink
     return mix, sink if isinstance(sink, Writer) else None
+
+
+def _read_only(event: EpisodeStarted | StepBatch) -> None:
+    for value in vars(event).values():
+        if isinstance(value, np.ndarray):
+            value.flags.writeable = False
 
 
 def _fan_out(

@@ -25,6 +25,10 @@ class Sink(AsyncResource):
     # The episode files the sink saves ("episode_data" or "compact", see ``sinks._files``): the
     # workers build them, where the steps are, and send them with ``EpisodeFinished.files``.
     episode_format: str | None = None
+    # Whether the sink's state is its run's (a run starts it and closes it): such a sink serves
+    # one run at a time, and a run that would share it with another still playing is refused.
+    # False for a sink that keeps nothing per run and may serve overlapping runs.
+    one_run_at_a_time = True
 
     @property
     def saved(self) -> Mapping[int, str]:

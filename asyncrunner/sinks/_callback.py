@@ -16,8 +16,11 @@ class CallbackSink(Sink):
 
     ``needs_steps=False`` when ``fn`` reads no step arrays (it still gets every ``StepBatch``,
     without the actions', observations' and other wide arrays' rows): if no sink of a run reads
-    them, the workers do not send them.
+    them, the workers do not send them. It keeps nothing per run: one may serve overlapping
+    runs (``fn`` gets each run's events, told apart by their ``run_id``).
     """
+
+    one_run_at_a_time = False
 
     def __init__(
         self, fn: Callable[[Event], Awaitable[None] | None], *, needs_steps: bool = True

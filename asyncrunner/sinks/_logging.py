@@ -6,7 +6,15 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
-from .._model import EpisodeFailed, EpisodeFinished, EpisodeStarted, Event, RunFinished, RunStarted
+from .._model import (
+    STOPPED,
+    EpisodeFailed,
+    EpisodeFinished,
+    EpisodeStarted,
+    Event,
+    RunFinished,
+    RunStarted,
+)
 from ._base import Sink
 
 __all__ = ["LoggingSink"]
@@ -17,10 +25,12 @@ class LoggingSink(Sink):
 
     ``logger``: a ``logging.Logger`` or a logger name (default ``"asyncrunner"``); ``level`` is
     used for the normal story. A failed episode is logged at ERROR with the worker's traceback
-    (WARNING when it is retried). Step batches are not logged.
+    (WARNING when it is retried, or stopped by another's failure). Step batches are not logged.
+    It keeps nothing per run: one may serve overlapping runs.
     """
 
     needs_steps = False
+    one_run_at_a_time = False
 
     def __init__(
         self, logger: logging.Logger | str | None = None, level: int = logging.INFO
@@ -36,7 +46,9 @@ class LoggingSink(Sink):
     async def send(self, event: Event) -> None:
         log, level = self.logger, self.level
         if isinstance(event, EpisodeFailed):
-            failed_level = logging.WARNING if event.retrying else logging.ERROR
+            # Retried, or stopped by another episode's failure: not this episode's error.
+            again = event.retrying or event.error_type == STOPPED
+            failed_level = logging.WARNING if again else logging.ERROR
             if log.isEnabledFor(failed_level):
                 log.log(
                     failed_level,

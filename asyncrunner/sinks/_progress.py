@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from .._model import (
+    STOPPED,
     EpisodeFailed,
     EpisodeFinished,
     EpisodeStarted,
@@ -84,7 +85,7 @@ class ProgressBar(Sink):
                     self._steps.update(-counted)
             else:
                 self._grow(counted - max_ts)
-                self._failed += 1
+                self._failed += event.error_type != STOPPED
                 if self._episodes is not None:
                     if hasattr(self._episodes, "set_postfix"):
                         self._episodes.set_postfix(failed=self._failed, refresh=False)
