@@ -147,8 +147,12 @@ class AsyncRunner(AsyncResource):
         self.sinks = tuple(sinks)
         self.retries = retries
         self._central = agent if isinstance(agent, CentralAgent) else None
-        # Each mix's chronic names; a single env is the mix None.
-        self._names = {mix: chronic_names(source) for mix, source in sources.items()}
+        # Each mix's chronic names, as its workers' env orders them; a single env is the mix None.
+        copied = copy_env and executor is None and _FORK  # workers start from copies of it
+        self._names = {
+            mix: chronic_names(source, as_built=not (copied and source is self._first_env))
+            for mix, source in sources.items()
+        }
         # What the workers build each mix's env from, as its recipe keys it (``resume`` matches it).
         self._env_keys = {mix: env_key(source) for mix, source in sources.items()}
         self._space_dicts: dict[str, Any] | None = None

@@ -17,6 +17,7 @@ import sys
 import warnings
 from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -283,6 +284,34 @@ def test_chronics_filter_lambda_is_honoured_as_in_grid2op() -> None:
     expected = grid2op_run(params, 2)
     assert [r[0] for r in expected] == ["0000", "0002"]  # the chronics the filter kept
     assert ours == expected
+
+
+def test_ids_follow_the_chronics_order_the_workers_play_after_a_shuffle_and_a_filter(
+    tmp_path: Path,
+) -> None:
+    """grid2op's Runner and the workers play an env built from the params: a filter set without
+    ``chronics_handler.reset()`` applies there, a shuffle does not. Ids, their wrap-around and
+    ``resume`` follow that order, not the caller's env's."""
+    env = make_env()
+    try:
+        env.chronics_handler.shuffle(lambda order: order[::-1])
+        env.chronics_handler.set_filter(lambda path: not path.endswith("0001"))
+        expected = grid2op_run({**env.get_params_for_runner(), "agentClass": DoNothingAgent}, 3)
+
+        async def main() -> list[list[Any]]:
+            async with AsyncRunner(env, agent=DoNothingAgent, workers=2) as runner:
+                return [
+                    [r.as_tuple() for r in await runner.run(3, path_save=tmp_path, **kw)]
+                    for kw in ({**seeds(3)}, {**seeds(3), "resume": True})
+                ]
+
+        first, resumed = anyio.run(main)
+    finally:
+        env.close()
+    assert [r[0] for r in expected] == ["0000", "0002", "0000"]  # the filter's, wrapped
+    assert played(first) == played(resumed) == expected
+    saved = sorted(p.name for p in tmp_path.iterdir() if p.is_dir())
+    assert saved == ["0000", "0000_1", "0002"]  # resume played nothing again
 
 
 class RedispatchingAgent(BaseAgent):  # type: ignore[misc]  # grid2op is untyped

@@ -31,13 +31,23 @@ _RESET_KEYS = (
 )
 
 
-def chronic_names(env: Any) -> list[str] | None:
-    """The env's chronic folder names in id order, or None when its chronics have no ids."""
+def chronic_names(env: Any, *, as_built: bool = True) -> list[str] | None:
+    """The env's chronic folder names in id order, or None when its chronics have no ids.
+
+    In the order of an env built from ``env.get_params_for_runner()`` (grid2op's Runner's, and
+    the workers'): its chronics filter applied, with no shuffle; ``as_built=False``: in ``env``'s
+    own order now (the workers play copies of it).
+    """
     real = getattr(env.chronics_handler, "real_data", None)
     order = getattr(real, "_order", None)
     subpaths = getattr(real, "subpaths", None)
     if order is None or subpaths is None:
         return None
+    keep = getattr(real, "_filter", None)
+    if as_built and callable(keep):
+        # What grid2op's Multifolder.reset() computes (a filter set without that reset applies
+        # in the built env, a shuffle does not travel).
+        order = [i for i, path in enumerate(subpaths) if keep(path)]
     return [os.path.basename(str(subpaths[i])) for i in order]
 
 
