@@ -21,7 +21,7 @@ from grid2op.Agent import BaseAgent, DoNothingAgent, RandomAgent
 from asyncrunner import AsyncRunner, EpisodeFailed, EpisodeStarted, StepBatch
 from asyncrunner.sinks import CallbackSink
 
-from .helpers import starts
+from .helpers import children, starts
 
 distributed = pytest.importorskip("distributed")
 
@@ -108,6 +108,39 @@ async def test_parity_with_local_pool_and_one_env_per_worker(
             np.testing.assert_array_equal(array, saved_dask[name], err_msg=name)
     assert {e.worker for e in started} <= pids
     assert {e.env_builds for e in started} == {1}  # each worker built its env once
+
+
+def _workers_left(before: set[int]) -> set[int]:
+    """Children started since ``before``, but multiprocessing's resource tracker (it stays)."""
+    left = set()
+    for pid in children() - before:
+        try:
+            command = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"resource_tracker" not in command:
+            left.add(pid)
+    return left
+
+
+async def test_a_runner_closed_while_its_local_cluster_starts_leaves_no_process(env: Any) -> None:
+    from asyncrunner.dask import DaskExecutor
+
+    for delay in (0.3, 0.6, 0.9):  # the cluster's workers not yet started, starting, started
+        before = children()
+        executor = DaskExecutor(local_workers=1)
+        async with AsyncRunner(env, agent=DoNothingAgent, workers=1, executor=executor):
+            await anyio.sleep(delay)  # a run refused at once, a cancelled request...
+        with anyio.fail_after(15):
+            while _workers_left(before):  # noqa: ASYNC110 - a process exit elsewhere has no event
+                await anyio.sleep(0.05)
+
+
+async def test_a_closed_client_is_refused_saying_so(env: Any, cluster: Any) -> None:
+    client = await distributed.Client(cluster.scheduler_address, asynchronous=True)
+    await client.close()
+    with pytest.raises(ValueError, match="the Dask client is closed"):
+        AsyncRunner(env, agent=DoNothingAgent, workers=1, executor=client)
 
 
 async def test_killed_dask_worker_episode_is_retried_once(env: Any, cluster: Any) -> None:

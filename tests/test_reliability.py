@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import pickle
 import signal
 import subprocess
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from typing import Any
 
 import anyio
@@ -111,6 +112,36 @@ async def test_killed_worker_is_replaced_and_episode_retried(env: Any) -> None:
     assert [e.attempt for e in retried] == [1, 2]
     assert retried[1].worker != killed[0]
     await wait_no_children(before)
+
+
+# Python >= 3.12 warns that forking a multi-threaded process may deadlock: not here.
+@pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")
+async def test_a_broken_process_pool_executor_fails_what_is_left_saying_why(env: Any) -> None:
+    """A ProcessPoolExecutor that lost a process fails every call after: nothing can be replayed
+    on it (a retry would fail at once, and blame a dead worker for episodes that never ran)."""
+    events: list[Any] = []
+
+    def kill_mid_episode(event: Any) -> None:
+        events.append(event)
+        if isinstance(event, StepBatch) and event.index == 1 and event.first_step == 1:
+            pid = next(e.worker for e in events if isinstance(e, EpisodeStarted) and e.index == 1)
+            os.kill(pid, signal.SIGKILL)
+
+    context = multiprocessing.get_context("fork")
+    with ProcessPoolExecutor(2, mp_context=context) as executor:
+        async with AsyncRunner(env, agent=DoNothingAgent, workers=2, executor=executor) as runner:
+            with anyio.fail_after(120):
+                results = await runner.run(
+                    **dict(KWARGS, max_iter=300),
+                    on_error="continue",
+                    sinks=[CallbackSink(kill_mid_episode)],
+                )
+    failed = [r.error for r in results if r.error is not None]
+    assert results[1].error in failed
+    for error in failed:
+        assert error.error_type == "BrokenProcessPool" and error.attempt == 1
+        assert "cannot replace a dead process" in error.message
+    assert not any(isinstance(e, EpisodeFailed) and e.retrying for e in events)
 
 
 async def test_a_replayed_episode_keeps_its_first_result() -> None:

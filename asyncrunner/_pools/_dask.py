@@ -131,6 +131,11 @@ class DaskExecutor:
         self._client: Any = None if isinstance(client, str) or client is None else client
         self._cluster: Any = None
         self._owned = self._client is None
+        if self._client is not None and getattr(self._client, "status", None) in (
+            "closing",
+            "closed",
+        ):
+            raise ValueError("the Dask client is closed: pass an open one (or its address)")
         self._lock: anyio.Lock | None = None
         self._waits: anyio.CapacityLimiter | None = None
         if listen is None and isinstance(client, str):
@@ -164,10 +169,19 @@ class DaskExecutor:
                     # (dask/distributed#8136), which another cluster may hold.
                     dashboard_address="127.0.0.1:0",
                 )
+                # Started whole (about a second), even when the runner closes meanwhile (a
+                # cancelled warm-up): Dask cannot close a cluster half started, and its worker
+                # processes would outlive the runner. Kept as it starts, for aclose to close.
                 if asyncio:
-                    self._cluster = await LocalCluster(asynchronous=True, **options)
+                    self._cluster = LocalCluster(asynchronous=True, **options)
+                    with anyio.CancelScope(shield=True):
+                        await self._cluster
                 else:
-                    self._cluster = await anyio.to_thread.run_sync(lambda: LocalCluster(**options))
+
+                    def start_cluster() -> None:
+                        self._cluster = LocalCluster(**options)
+
+                    await anyio.to_thread.run_sync(start_cluster)
                 target: Any = self._cluster
             else:
                 target = self._given

@@ -18,9 +18,13 @@ T = TypeVar("T")
 
 
 class ExecutorPool(WorkerPool):
-    """Calls submitted to ``executor``; it stays the caller's to shut down."""
+    """Calls submitted to ``executor``; it stays the caller's to shut down.
 
-    died = (BrokenProcessPool,)
+    A ``ProcessPoolExecutor`` that lost a process is broken for good (it fails every call,
+    running, pending or later): no episode is replayed on it, each fails with a
+    ``BrokenProcessPool`` that says so.
+    """
+
     stops_calls = False  # Future.cancel() cannot stop a running call
 
     def __init__(
@@ -34,13 +38,21 @@ class ExecutorPool(WorkerPool):
 
     async def submit(self, fn: Callable[..., T], *args: Any) -> T:
         async with self.limiter:
-            future = self.executor.submit(fn, *args)
             try:
-                return await anyio.to_thread.run_sync(
-                    future.result, abandon_on_cancel=True, limiter=self._waits
-                )
-            finally:
-                future.cancel()
+                future = self.executor.submit(fn, *args)
+                try:
+                    return await anyio.to_thread.run_sync(
+                        future.result, abandon_on_cancel=True, limiter=self._waits
+                    )
+                finally:
+                    future.cancel()
+            except BrokenProcessPool as exc:
+                raise BrokenProcessPool(
+                    f"{exc} A concurrent.futures pool cannot replace a dead process: this "
+                    "executor fails every call from now on, and this episode cannot be "
+                    "replayed on it. Pass a new executor, or none (the default pool replaces a "
+                    "dead worker and replays its episode, as Dask does)"
+                ) from exc
 
     async def stop(self) -> None:
         return None  # the caller's executor: theirs to shut down
