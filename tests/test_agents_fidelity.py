@@ -269,6 +269,31 @@ def test_async_runner_rejects_an_uncopyable_agent_instance_before_work(env: Any)
         AsyncRunner(env, agent=Uncopyable(env.action_space))
 
 
+class LooksAhead(BaseAgent):  # type: ignore[misc]  # grid2op is untyped
+    """Holds an env of its own (a planner's), which it resets and steps before each action."""
+
+    def __init__(self, sim_env: Any) -> None:
+        super().__init__(sim_env.action_space)
+        self.sim = sim_env
+
+    def act(self, observation: Any, reward: float, done: bool = False) -> Any:
+        self.sim.reset(seed=0, options={"time serie id": 0})
+        self.sim.step(self.action_space({}))
+        return self.action_space({})
+
+
+def test_an_agent_holding_an_env_steps_it_in_the_workers(env: Any) -> None:
+    """Pickle protocol 5 brought LightSim's read-only arrays back on immutable bytes: the env an
+    agent holds could not be reset in a worker ("cannot set WRITEABLE flag")."""
+    sim = make_env()
+    try:
+        agent = LooksAhead(sim)
+        params = {**env.get_params_for_runner(), "agentClass": None, "agentInstance": agent}
+        assert async_run(env, agent) == grid2op_run(params)
+    finally:
+        sim.close()
+
+
 # --- env parameters that plain pickle cannot send -------------------------------------------
 
 

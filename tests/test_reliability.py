@@ -79,6 +79,37 @@ async def test_agent_error_continue_fails_that_episode_only(env: Any) -> None:
     assert results[0].nb_time_step == results[2].nb_time_step == 20
 
 
+class Exits(BaseAgent):  # type: ignore[misc]  # grid2op is untyped
+    """Calls ``sys.exit`` at step 3 (a library giving up: a solver without its license)."""
+
+    def act(self, observation: Any, reward: float, done: bool = False) -> Any:
+        if observation.current_step == 2:
+            sys.exit("solver: license not found")
+        return self.action_space({})
+
+
+class Interrupts(BaseAgent):  # type: ignore[misc]  # grid2op is untyped
+    """Raises ``KeyboardInterrupt`` at step 3 (code that does; workers ignore Ctrl-C itself)."""
+
+    def act(self, observation: Any, reward: float, done: bool = False) -> Any:
+        if observation.current_step == 2:
+            raise KeyboardInterrupt("solver: license not found")
+        return self.action_space({})
+
+
+@pytest.mark.parametrize("agent", [Exits, Interrupts])
+async def test_an_agent_exiting_fails_its_episode_only(env: Any, agent: Any) -> None:
+    """Sent back to this process, a SystemExit ended (and under asyncio, hung) the caller."""
+    async with AsyncRunner(env, agent=agent, workers=2) as runner:
+        with anyio.fail_after(120):
+            results = await runner.run(2, max_iter=5, on_error="continue")
+        assert [r.nb_time_step for r in await runner.run(1, max_iter=2)] == [2]  # it goes on
+    for result in results:
+        error = result.error
+        assert error is not None and error.error_type in ("SystemExit", "KeyboardInterrupt")
+        assert error.message == "solver: license not found" and error.step == 2
+
+
 async def test_agent_error_raise_carries_finished_results(env: Any, tmp_path: Any) -> None:
     async with AsyncRunner(env, agent=FailsAtStep5, workers=1) as runner:
         with pytest.raises(EpisodeError, match="agent broke at step 5") as info:

@@ -121,7 +121,9 @@ def dumps(obj: Any) -> bytes:
 
 def _dump(pickler: type[pickle.Pickler], obj: Any) -> bytes:
     buffer = io.BytesIO()
-    pickler(buffer, protocol=5).dump(obj)
+    # Protocol 4, as multiprocessing (grid2op's Runner) pickles: 5 would bring read-only arrays
+    # (LightSim's) back on immutable bytes, and an env an agent holds could never step again.
+    pickler(buffer, protocol=4).dump(obj)
     return buffer.getvalue()
 
 

@@ -137,10 +137,17 @@ def run_episodes(jobs: list[EpisodeJob]) -> list[str]:
         return [f.result() for f in futures]
 
 
+# What fails an episode: its code's exceptions, and a ``sys.exit`` or ``KeyboardInterrupt`` raised
+# by that code (a library giving up; a worker ignores Ctrl-C, the parent stops the run): sent back
+# to the caller, they would end its program, not the episode.
+_EPISODE_ERRORS = (Exception, SystemExit, KeyboardInterrupt)
+
+
 def run_episode(job: EpisodeJob, slot: int = 0, slots: int = 1) -> str:
     """Play one episode, streaming its events; returns ``"finished"`` or ``"failed"``.
 
-    Exceptions of the agent or the env become an ``EpisodeFailed`` event; a broken channel raises.
+    Exceptions of the agent or the env become an ``EpisodeFailed`` event (``_EPISODE_ERRORS``);
+    a broken channel raises.
     """
     send = _channel.connect(job.address, job.token)
     key, cached = get_env(
@@ -151,7 +158,7 @@ def run_episode(job: EpisodeJob, slot: int = 0, slots: int = 1) -> str:
         step = _play(job, cached, send)
     except _channel.ChannelClosed:
         raise
-    except Exception as exc:
+    except _EPISODE_ERRORS as exc:
         failure = EpisodeFailed(
             run_id=job.run_id,
             index=job.index,
@@ -233,9 +240,9 @@ def _play_on(job: EpisodeJob, env: Any, cached: _Cached, send: Any) -> int:
                     end__ - beg__,
                     names,
                 )
-    except Exception as exc:
+    except _EPISODE_ERRORS as exc:
         batch.flush()
-        exc._ar_step = time_step  # type: ignore[attr-defined]  # read by run_episode
+        exc._ar_step = time_step  # type: ignore[union-attr]  # read by run_episode
         raise
     end_ = time.perf_counter()
     last = [b for b in [batch.take()] if b is not None]
