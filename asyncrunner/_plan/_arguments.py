@@ -44,10 +44,14 @@ def chronic_names(env: Any, *, as_built: bool = True) -> list[str] | None:
     if order is None or subpaths is None:
         return None
     keep = getattr(real, "_filter", None)
-    if as_built and callable(keep):
-        # What grid2op's Multifolder.reset() computes (a filter set without that reset applies
-        # in the built env, a shuffle does not travel).
-        order = [i for i, path in enumerate(subpaths) if keep(path)]
+    if as_built and keep is not None:
+        # What grid2op's Multifolder.reset() computes in the built env: a filter set without
+        # that reset applies there, a shuffle does not travel. The default filter keeps what
+        # it kept here (MultifolderWithCache's counts its calls: not called again).
+        if keep != getattr(real, "_default_filter", None):
+            order = [i for i, path in enumerate(subpaths) if keep(path)]
+        else:
+            order = sorted(order)
     return [os.path.basename(str(subpaths[i])) for i in order]
 
 
