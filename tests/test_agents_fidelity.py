@@ -22,11 +22,15 @@ from typing import Any
 
 import anyio
 import pytest
+from grid2op.Action import PowerlineSetAction
 from grid2op.Agent import BaseAgent, DoNothingAgent, RandomAgent
 from grid2op.Chronics import MultifolderWithCache
 from grid2op.Environment.dispatch import BaseRedispatchSolver, RedispatchResult
 from grid2op.Exceptions import ImpossibleRedispatching
+from grid2op.Opponent import BaseActionBudget, BaseOpponent
+from grid2op.Reward import BaseReward
 from grid2op.Runner import Runner as GridRunner
+from grid2op.VoltageControler import ControlVoltageFromFile
 
 from asyncrunner import AsyncRunner
 from asyncrunner.compat import _runner as compat
@@ -292,6 +296,72 @@ def test_an_agent_holding_an_env_steps_it_in_the_workers(env: Any) -> None:
         assert async_run(env, agent) == grid2op_run(params)
     finally:
         sim.close()
+
+
+class EveryFifthStep(BaseOpponent):  # type: ignore[misc]  # grid2op is untyped
+    """Attacks a line every fifth step; sets its attributes in ``init``, as grid2op documents."""
+
+    lines: tuple[int, ...] = ()  # a class default, as many opponents have
+
+    def init(self, partial_env: Any, lines_attacked: Any = (), **kwargs: Any) -> None:
+        self.lines = tuple(partial_env.name_line.tolist().index(n) for n in lines_attacked)
+
+    def reset(self, initial_budget: Any) -> None:
+        self.n = 0
+
+    def attack(self, observation: Any, agent_action: Any, env_action: Any, *args: Any) -> Any:
+        self.n += 1
+        if self.n % 5 == 0 and self.lines:
+            return self.action_space({"set_line_status": [(self.lines[0], -1)]}), 2
+        return None, None
+
+
+class ScaledVoltages(ControlVoltageFromFile):  # type: ignore[misc]  # grid2op is untyped
+    """Sets an attribute in ``__init__`` and reads it at every step."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.scale = 1.0
+
+    def fix_voltage(self, observation: Any, agent_action: Any, env_action: Any, v: Any) -> Any:
+        return super().fix_voltage(observation, agent_action, env_action, v * self.scale)
+
+
+class StepCountReward(BaseReward):  # type: ignore[misc]  # grid2op is untyped
+    """Keeps the env ``initialize`` gives it, and reads its step count; plus the lines in
+    service (an attack shows)."""
+
+    def initialize(self, env: Any) -> None:
+        self.env = env
+        self.reward_min, self.reward_max = 0.0, 1000.0
+
+    def __call__(self, action: Any, env: Any, *flags: Any) -> float:
+        return float(self.env.nb_time_step + env.backend.get_line_status().sum())
+
+
+def test_a_users_opponent_voltage_controller_and_rewards_play_as_in_grid2op() -> None:
+    """Episodes play copies of an env: grid2op's copy loses what such classes set in
+    ``__init__`` / ``init``, and points a reward's env at the env copied (never played)."""
+    env = make_env(
+        reward_class=StepCountReward,
+        other_rewards={"steps": StepCountReward},
+        voltagecontroler_class=ScaledVoltages,
+        opponent_class=EveryFifthStep,
+        opponent_action_class=PowerlineSetAction,
+        opponent_budget_class=BaseActionBudget,
+        opponent_init_budget=100.0,
+        opponent_budget_per_ts=1.0,
+        opponent_attack_duration=2,
+        opponent_attack_cooldown=3,
+        kwargs_opponent={"lines_attacked": ["1_3_3"]},
+    )
+    try:
+        expected = grid2op_run({**env.get_params_for_runner(), "agentClass": DoNothingAgent})
+        untouched = 210.0 + 20 * env.n_line  # steps 1 + 2 + ... + 20, every line in service
+        assert all(210.0 < r[1] < untouched for r in expected)  # the opponent attacked
+        assert async_run(env, DoNothingAgent) == expected
+    finally:
+        env.close()
 
 
 # --- env parameters that plain pickle cannot send -------------------------------------------

@@ -119,7 +119,59 @@ def fresh_copy(pristine: Any) -> Any:
             initial = part._cst_prev_state_at_init.copy()
             initial.prevent_modification()
             part._cst_prev_state_at_init = initial
+    _rebuild_user_parts(env)
     return env
+
+
+def _rebuild_user_parts(env: Any) -> None:
+    """Rewards, opponent and voltage controller of classes not grid2op's own, made for ``env``
+    as grid2op makes them for a new env.
+
+    grid2op's copy deep-copies the rewards (one that keeps the env given to ``initialize``
+    would read the pristine env, never played) and rebuilds the opponent and the voltage
+    controller with ``__new__`` and ``_custom_deepcopy_for_copy`` (what ``__init__`` or the
+    opponent's ``init`` set is lost, unless the class copies it). grid2op's own classes copy
+    correctly (tests/test_parity.py); a user's class is made afresh, as in ``Environment``.
+    """
+    from grid2op.Reward import RewardHelper
+
+    helpers = {"": env._reward_helper, **env.other_rewards}
+    for name, helper in helpers.items():
+        if not _grid2ops(helper.template_reward):
+            fresh = RewardHelper(helper.rewardClass, logger=helper.logger)
+            fresh.initialize(env)
+            if name:
+                env.other_rewards[name] = fresh
+            else:
+                env._reward_helper = fresh
+    if env._voltage_controler is not None and not _grid2ops(env._voltage_controler):
+        env._voltage_controler = env._voltagecontrolerClass(
+            gridobj=type(env.backend),
+            controler_backend=env.backend,
+            actionSpace_cls=env._helper_action_class,
+            _local_dir_cls=env._local_dir_cls,
+        )
+    if not (_grid2ops(env._opponent) and _grid2ops(env._oppSpace)):
+        env._opponent = env._opponent_class(env._opponent_action_space)
+        env._oppSpace = env._opponent_space_type(
+            compute_budget=env._compute_opp_budget,
+            init_budget=env._opponent_init_budget,
+            attack_duration=env._opponent_attack_duration,
+            attack_cooldown=env._opponent_attack_cooldown,
+            budget_per_timestep=env._opponent_budget_per_ts,
+            opponent=env._opponent,
+            _local_dir_cls=env._local_dir_cls,
+        )
+        env._oppSpace.init_opponent(partial_env=env, **env._kwargs_opponent)
+        env._oppSpace.reset()
+
+
+# The packages of grid2op's own rewards, opponents and voltage controllers (not its tests').
+_GRID2OP_PARTS = ("grid2op.Reward.", "grid2op.Opponent.", "grid2op.VoltageControler.")
+
+
+def _grid2ops(part: Any) -> bool:
+    return type(part).__module__.startswith(_GRID2OP_PARTS)
 
 
 _ENVS: dict[str, _Cached] = {}
