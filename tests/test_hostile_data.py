@@ -142,6 +142,21 @@ async def test_resume_plays_another_agents_episodes(
     assert back.indices == [] and [r.path for r in resumed] == [r.path for r in nothing]
 
 
+async def test_resume_tells_two_lambdas_apart(case14: Any, tmp_path: Path) -> None:
+    """Every lambda's qualified name is ``<lambda>``: one agent's episodes were another's."""
+    first_agent: Any = lambda space: DoNothingAgent(space)  # noqa: E731
+    second_agent: Any = lambda space: RandomAgent(space)  # noqa: E731
+    with anyio.fail_after(TIMEOUT):
+        async with AsyncRunner(case14, agent=first_agent, workers=1) as first:
+            await first.run(2, path_save=tmp_path, **KWARGS)
+        started = Started()
+        async with AsyncRunner(case14, agent=second_agent, workers=1) as second:
+            await second.run(
+                2, path_save=tmp_path, resume=True, sinks=[CallbackSink(started)], **KWARGS
+            )
+    assert sorted(started.indices) == [0, 1]  # played, not read back
+
+
 async def test_resume_plays_another_envs_episodes(
     runner: AsyncRunner, case14: Any, tmp_path: Path
 ) -> None:

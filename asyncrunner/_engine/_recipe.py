@@ -175,7 +175,8 @@ def agent_name(agent: Any) -> str:
     """A stable name for the agent recipe, recorded with saved episodes (``resume`` matches it).
 
     The class's (or factory's) qualified name: instances of one class, or two factories built
-    from one function, share it whatever their parameters or weights.
+    from one function, share it whatever their parameters or weights. A lambda's also names its
+    line: every lambda of a module (or function) has the same qualified name.
     """
     if isinstance(agent, CentralAgent):
         return agent_name(agent.agent)
@@ -183,7 +184,11 @@ def agent_name(agent: Any) -> str:
         return agent_name(agent.func)
     if not isinstance(agent, type) and not hasattr(agent, "__qualname__"):
         agent = type(agent)  # an instance, or a callable object
-    return f"{getattr(agent, '__module__', '?')}.{getattr(agent, '__qualname__', '?')}"
+    name = f"{getattr(agent, '__module__', '?')}.{getattr(agent, '__qualname__', '?')}"
+    code = getattr(agent, "__code__", None)
+    if name.endswith("<lambda>") and code is not None:
+        name += f":{code.co_firstlineno}"
+    return name
 
 
 def _env_part(source: Any) -> tuple[dict[str, Any], tuple[type, ...], str]:
