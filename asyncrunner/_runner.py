@@ -19,7 +19,7 @@ from ._engine._dispatch import Run, RunSettings
 from ._engine._envs import hold, release, warm
 from ._engine._parsed import ParsedAhead
 from ._engine._pool import WorkerPool
-from ._engine._recipe import agent_name, agent_recipe, env_key, recipes
+from ._engine._recipe import agent_name, agent_recipe, class_attributes, env_key, recipes
 from ._exceptions import AsyncRunnerError, EpisodeError, unwrapped
 from ._model import EpisodeResult, Event
 from ._plan._arguments import chronic_names
@@ -131,6 +131,9 @@ class AsyncRunner(AsyncResource):
         _check_sinks(sinks)
         kind, payload = agent_recipe(agent)
         self._agent_name = agent_name(agent)
+        # A class's attributes as the workers, forked now, will see them (_check_agent_class).
+        self._agent_class = agent if isinstance(agent, type) else None
+        self._class_attributes = None if self._agent_class is None else class_attributes(agent)
         # A MultiMixEnvironment: one recipe per mix (each mix is an env of its own for grid2op).
         self._mixes = mixes_of(env)
         sources: dict[str | None, Any] = {None: env}
@@ -283,6 +286,7 @@ class AsyncRunner(AsyncResource):
         elif isinstance(retries, bool) or not isinstance(retries, int) or retries < 0:
             raise ValueError(f"`retries` must be an integer >= 0, got {retries!r}")
         _check_sinks(sinks)
+        self._check_agent_class()
         plan = await plan_run(
             nb_episode,
             names=self._names,
@@ -331,6 +335,24 @@ class AsyncRunner(AsyncResource):
             record=self._record_steps,
         )
         return Run(self._get_pool(), requests, settings, skipped=skipped)
+
+    def _check_agent_class(self) -> None:
+        """Refuse a run whose agent class's attributes changed since the runner was made (as
+        ``OneChangeThenNothing.gen_next`` changes them): its workers would play it as it was."""
+        if self._agent_class is None:
+            return
+        now = class_attributes(self._agent_class)
+        if now != self._class_attributes:
+            changed = sorted(
+                name
+                for name in now.keys() | (self._class_attributes or {}).keys()
+                if now.get(name) != (self._class_attributes or {}).get(name)
+            )
+            raise ValueError(
+                f"{self._agent_class.__qualname__}'s class attributes changed since this "
+                f"AsyncRunner was made ({', '.join(changed)}): its workers build the agent as "
+                "it was then. Make a new AsyncRunner after changing them"
+            )
 
     async def run(
         self,

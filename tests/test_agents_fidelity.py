@@ -364,6 +364,26 @@ def test_a_users_opponent_voltage_controller_and_rewards_play_as_in_grid2op() ->
         env.close()
 
 
+def test_a_run_after_the_agent_class_changed_is_refused(env: Any) -> None:
+    """Workers forked as the runner opened keep the class as it was: grid2op's own pattern,
+    ``OneChangeThenNothing.gen_next(...)`` before each run, played the first action again."""
+    from grid2op.Agent import OneChangeThenNothing
+
+    first = OneChangeThenNothing.gen_next({"set_line_status": [(0, -1)]})
+
+    async def main() -> None:
+        async with AsyncRunner(env, agent=first, workers=1) as runner:
+            await runner.run(1, max_iter=2)
+            OneChangeThenNothing.gen_next({"set_line_status": [(1, -1)]})
+            with pytest.raises(ValueError, match=r"class attributes changed.*\(my_dict\)"):
+                await runner.run(1, max_iter=2)
+
+    try:
+        anyio.run(main)
+    finally:
+        OneChangeThenNothing.my_dict = {}
+
+
 # --- env parameters that plain pickle cannot send -------------------------------------------
 
 

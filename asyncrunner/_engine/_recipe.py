@@ -18,7 +18,16 @@ import cloudpickle
 from .._plan._mixes import runner_params
 from ._central import CentralAgent, is_async_agent
 
-__all__ = ["EpisodeJob", "Recipe", "agent_name", "agent_recipe", "dumps", "env_key", "recipes"]
+__all__ = [
+    "EpisodeJob",
+    "Recipe",
+    "agent_name",
+    "agent_recipe",
+    "class_attributes",
+    "dumps",
+    "env_key",
+    "recipes",
+]
 
 
 @dataclass(frozen=True)
@@ -169,6 +178,20 @@ def agent_recipe(agent: Any) -> tuple[str, Any]:
         f"agent must be a BaseAgent subclass, a BaseAgent instance or a callable "
         f"(action_space) -> BaseAgent, got {type(agent).__name__}"
     )
+
+
+def class_attributes(cls: type) -> dict[str, bytes]:
+    """The picklable values ``cls`` itself holds (not its methods, properties...), pickled: what
+    a worker forked from this process sees, and one that imports the class afresh does not."""
+    found = {}
+    for name, value in vars(cls).items():
+        if name.startswith("__") or hasattr(value, "__get__"):
+            continue  # methods, properties and the like come with the class
+        try:
+            found[name] = dumps(value)
+        except Exception:
+            continue
+    return found
 
 
 def agent_name(agent: Any) -> str:

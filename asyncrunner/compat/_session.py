@@ -11,7 +11,7 @@ from typing import Any, TypeVar
 import anyio
 import anyio.abc
 
-from .._engine._recipe import dumps
+from .._engine._recipe import class_attributes
 from .._model import EpisodeResult
 from .._runner import AsyncRunner
 
@@ -105,15 +105,7 @@ class AgentClass:
 
     def __init__(self, cls: type) -> None:
         self.cls = cls
-        self.state: dict[str, Any] = {}
-        for name, value in vars(cls).items():
-            if name.startswith("__") or hasattr(value, "__get__"):
-                continue  # methods, properties and the like come with the class
-            try:
-                dumps(value)
-            except Exception:
-                continue
-            self.state[name] = value
+        self.state = {name: vars(cls)[name] for name in class_attributes(cls)}
 
     def __call__(self, action_space: Any) -> Any:
         for name, value in self.state.items():
