@@ -21,7 +21,7 @@ import asyncrunner._runner
 from asyncrunner import AsyncRunner, EpisodeError, EpisodeFailed, EpisodeStarted, StepBatch
 from asyncrunner.sinks import CallbackSink
 
-from .helpers import BOTH_LOOPS, children, wait_dead, wait_no_children
+from .helpers import BOTH_LOOPS, children, starts, wait_dead, wait_no_children
 
 pytestmark = pytest.mark.anyio
 
@@ -143,6 +143,20 @@ async def test_killed_worker_is_replaced_and_episode_retried(env: Any) -> None:
     assert [e.attempt for e in retried] == [1, 2]
     assert retried[1].worker != killed[0]
     await wait_no_children(before)
+
+
+async def test_a_worker_dead_while_idle_is_replaced_before_its_next_episode(env: Any) -> None:
+    # Killed between runs (the OOM killer): its next episode must not fail, nor use up a retry,
+    # for a death that came before it started.
+    async with AsyncRunner(env, agent=DoNothingAgent, workers=1) as runner:
+        await runner.run(1, max_iter=5)
+        [pid] = runner._pids
+        os.kill(pid, signal.SIGKILL)
+        await wait_dead([pid])
+        started, sink = starts()
+        results = await runner.run(2, max_iter=5, on_error="continue", retries=0, sinks=[sink])
+    assert [(r.error, r.nb_time_step) for r in results] == [(None, 5), (None, 5)]
+    assert pid not in {e.worker for e in started}
 
 
 # Python >= 3.12 warns that forking a multi-threaded process may deadlock: not here.

@@ -171,9 +171,8 @@ class ForkPool(WorkerPool):
             await self.limiter.acquire()
         try:
             await anyio.lowlevel.checkpoint_if_cancelled()
-            if self._idle:
-                worker = self._idle.pop()
-            else:
+            worker = self._idle_worker()
+            if worker is None:
                 # One fork at a time, each child closing every other worker's parent-side
                 # socket end. Forking copies this process's page tables (tens of ms for a big
                 # parent): off the event loop's thread.
@@ -198,6 +197,16 @@ class ForkPool(WorkerPool):
             return result
         finally:
             self.limiter.release()
+
+    def _idle_worker(self) -> _Worker | None:
+        """An idle worker that is alive: one that died idle (the OOM killer, between runs) is
+        dropped here, not handed a call that would fail as if it had died playing it."""
+        while self._idle:
+            worker = self._idle.pop()
+            if worker.process.is_alive():
+                return worker
+            worker.kill()  # already reaped by is_alive(): closes its socket
+        return None
 
     async def stop(self) -> None:
         """Stop the idle workers: socket closed (clean exit), killed if still there after a grace."""
