@@ -21,7 +21,7 @@ import asyncrunner._runner
 from asyncrunner import AsyncRunner, EpisodeError, EpisodeFailed, EpisodeStarted, StepBatch
 from asyncrunner.sinks import CallbackSink
 
-from .helpers import BOTH_LOOPS, children, starts, wait_dead, wait_no_children
+from .helpers import BOTH_LOOPS, alive, children, starts, wait_dead, wait_no_children
 
 pytestmark = pytest.mark.anyio
 
@@ -329,6 +329,33 @@ async def test_runner_close_leaves_no_worker_process(
         await runner.run(2, max_iter=5)
         assert len(children() - before) == 2
     await wait_no_children(before)
+
+
+@BOTH_LOOPS
+async def test_runners_opened_in_one_task_close_in_the_order_opened(env: Any) -> None:
+    first = AsyncRunner(env, agent=DoNothingAgent, workers=1)
+    second = AsyncRunner(env, agent=DoNothingAgent, workers=1)
+    await first.__aenter__()
+    await second.__aenter__()
+    await first.run(1, max_iter=5)
+    await first.aclose()
+    assert first._pids and not any(alive(pid) for pid in first._pids)
+    # The task goes on (it was left cancelled), with the other runner's workers alive.
+    [result] = await second.run(1, max_iter=5)
+    assert result.error is None and all(alive(pid) for pid in second._pids)
+    await second.aclose()
+    assert not any(alive(pid) for pid in second._pids)
+
+
+@BOTH_LOOPS
+async def test_a_runner_opened_in_one_task_closes_in_another(env: Any) -> None:
+    runner = AsyncRunner(env, agent=DoNothingAgent, workers=1)
+    async with anyio.create_task_group() as group:  # a startup hook's task
+        group.start_soon(runner.__aenter__)
+    [result] = await runner.run(1, max_iter=5)
+    assert result.error is None
+    await runner.aclose()
+    assert runner._pids and not any(alive(pid) for pid in runner._pids)
 
 
 @BOTH_LOOPS

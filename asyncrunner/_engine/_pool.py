@@ -8,12 +8,12 @@ process is gone": ``play`` turns those into ``WorkerDied``, which the dispatcher
 
 from __future__ import annotations
 
+import asyncio
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, TypeVar
 
 import anyio
-from anyio.abc import TaskGroup
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from ._channel import ChannelClosed
@@ -26,6 +26,24 @@ T = TypeVar("T")
 
 # Seconds an idle worker gets to exit on its own when its pool stops.
 STOP_GRACE = 5.0
+
+# The tasks ``_spawn`` started on asyncio, which keeps only weak references to them.
+_SPAWNED: set[asyncio.Task[None]] = set()
+
+
+def _spawn(fn: Callable[..., Coroutine[Any, Any, None]], *args: Any) -> None:
+    """Start ``fn(*args)`` in a task of its own, in none of the caller's task groups or cancel
+    scopes (anyio has no call for that: it starts its process pool's shutdown task this way)."""
+    try:
+        loop = asyncio.get_running_loop()
+    except RuntimeError:  # anyio's other backend
+        import trio
+
+        trio.lowlevel.spawn_system_task(fn, *args)
+        return
+    task = loop.create_task(fn(*args))
+    _SPAWNED.add(task)
+    task.add_done_callback(_SPAWNED.discard)
 
 
 class WorkerDied(Exception):
@@ -65,7 +83,8 @@ class WorkerPool(ABC):
     def __init__(self, limiter: anyio.CapacityLimiter) -> None:
         self.limiter = limiter
         self.served: set[int] = set()
-        self._warm_group: TaskGroup | None = None
+        # The warm-up's cancel scope, and the event set once its calls have ended.
+        self._warming: tuple[anyio.CancelScope, anyio.Event] | None = None
         # Warm-up calls not yet promised to a call, and their "ended" signals.
         self._warm_left = 0
         self._warm_send: MemoryObjectSendStream[None] | None = None
@@ -89,14 +108,32 @@ class WorkerPool(ABC):
         """Start ``count`` calls of ``fn(*args)`` (returning its worker's pid) in the background.
 
         The first ``count`` calls then wait for one of them to end and take its (idle) worker
-        rather than start more processes.
+        rather than start more processes. They run in a task of their own, not in a task group
+        of the caller's: a task group left open until ``aclose`` would have to be closed in the
+        caller's task, after every one it opened since (a runner opened in a startup hook, two
+        runners closed in the order opened).
         """
         self._warm_left = count
         self._warm_send, self._warm_ready = anyio.create_memory_object_stream[None](count)
-        self._warm_group = anyio.create_task_group()
-        await self._warm_group.__aenter__()
-        for _ in range(count):
-            self._warm_group.start_soon(self._warm_one, self._warm_send, fn, args)
+        self._warming = anyio.CancelScope(), anyio.Event()
+        _spawn(self._warm, *self._warming, self._warm_send, count, fn, args)
+
+    async def _warm(
+        self,
+        scope: anyio.CancelScope,
+        ended: anyio.Event,
+        ready: MemoryObjectSendStream[None],
+        count: int,
+        fn: Callable[..., int],
+        args: tuple[Any, ...],
+    ) -> None:
+        try:
+            with scope:
+                async with anyio.create_task_group() as group:
+                    for _ in range(count):
+                        group.start_soon(self._warm_one, ready, fn, args)
+        finally:
+            ended.set()
 
     async def _warm_one(
         self, ready: MemoryObjectSendStream[None], fn: Callable[..., int], args: tuple[Any, ...]
@@ -136,12 +173,13 @@ class WorkerPool(ABC):
 
     async def aclose(self) -> None:
         """Stop the warm-up, then the worker processes."""
-        group, self._warm_group = self._warm_group, None
-        if group is not None:
-            group.cancel_scope.cancel()
-            await group.__aexit__(None, None, None)
-        for stream in (self._warm_send, self._warm_ready):
-            if stream is not None:
-                stream.close()
+        warming, self._warming = self._warming, None
         with anyio.CancelScope(shield=True):
+            if warming is not None:
+                scope, ended = warming
+                scope.cancel()
+                await ended.wait()  # its calls' workers killed, and its streams no longer used
+            for stream in (self._warm_send, self._warm_ready):
+                if stream is not None:
+                    stream.close()
             await self.stop()

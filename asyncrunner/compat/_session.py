@@ -5,11 +5,7 @@ from __future__ import annotations
 import functools
 import threading
 from collections.abc import Awaitable, Callable
-from concurrent.futures import Future
 from typing import Any, TypeVar
-
-import anyio
-import anyio.abc
 
 from .._engine._recipe import class_attributes
 from .._model import EpisodeResult
@@ -23,8 +19,8 @@ T = TypeVar("T")
 class Session:
     """An event loop in a thread of its own (anyio's blocking portal) and the pool it hosts.
 
-    The pool (an entered ``AsyncRunner``) lives in one task of that loop, from ``__aenter__`` to
-    ``aclose``, as anyio wants; runs are other tasks that use it.
+    The pool is an entered ``AsyncRunner``'s: opening it, each run and closing it are tasks of
+    their own on that loop.
     """
 
     def __init__(self) -> None:
@@ -33,7 +29,6 @@ class Session:
         self._portal_cm = start_blocking_portal(name="asyncrunner-compat")
         self.portal = self._portal_cm.__enter__()
         self.runner: AsyncRunner | None = None
-        self._keeper: tuple[Future[None], anyio.Event] | None = None
 
     def run(self, runner: AsyncRunner, kwargs: dict[str, Any]) -> list[EpisodeResult]:
         """``runner.run(**kwargs)`` on the pool (``runner``'s, unless one alike is already up)."""
@@ -44,8 +39,7 @@ class Session:
             or current.workers != runner.workers
         ):
             self._stop_pool()
-            future, stop = self.portal.start_task(_keep, runner)
-            self._keeper = (future, stop)
+            self.portal.call(runner.__aenter__)
             self.runner = current = runner
         return self._call(functools.partial(current.run, **kwargs))
 
@@ -69,30 +63,15 @@ class Session:
             raise
 
     def _stop_pool(self) -> None:
-        keeper, self._keeper = self._keeper, None
-        self.runner = None
-        if keeper is not None:
-            future, stop = keeper
-            self.portal.call(stop.set)
-            future.result()
+        runner, self.runner = self.runner, None
+        if runner is not None:
+            self.portal.call(runner.aclose)
 
     def close(self) -> None:
         try:
             self._stop_pool()
         finally:
             self._portal_cm.__exit__(None, None, None)
-
-
-async def _keep(
-    runner: AsyncRunner,
-    *,
-    task_status: anyio.abc.TaskStatus[anyio.Event] = anyio.TASK_STATUS_IGNORED,
-) -> None:
-    """Hold ``runner``'s pool open until the returned event is set."""
-    stop = anyio.Event()
-    async with runner:
-        task_status.started(stop)
-        await stop.wait()
 
 
 class AgentClass:
