@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import os
+import socket
 import threading
 import time
 from typing import Any
@@ -59,6 +60,24 @@ async def test_calls_run_in_a_kept_forked_worker() -> None:
     assert second == (first[0], 42)  # the same worker, kept between calls
     await pool.aclose()
     assert not alive(first[0])
+
+
+async def test_a_worker_lets_go_of_the_sockets_this_process_had() -> None:
+    """A connection this process closes ends for its peer, whatever worker was forked while it
+    was open (a web server's client, another pool's worker)."""
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        client = socket.create_connection(server.getsockname())
+        connection, _ = server.accept()
+        pool = ForkPool(anyio.CapacityLimiter(1))
+        try:
+            await pool.submit(pid_plus, 1)  # forked while the connection is open
+            connection.close()
+            client.settimeout(30)
+            ended = await anyio.to_thread.run_sync(client.recv, 1)
+        finally:
+            client.close()
+            await pool.aclose()
+    assert ended == b""  # not a wait for the worker's exit
 
 
 async def test_an_error_comes_back_and_the_worker_stays() -> None:

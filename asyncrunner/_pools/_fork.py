@@ -22,6 +22,7 @@ import os
 import pickle
 import signal
 import socket
+import stat
 import traceback
 import warnings
 from collections.abc import Callable
@@ -46,7 +47,7 @@ def available() -> bool:
     return os.uname().sysname == "Linux" if hasattr(os, "uname") else False
 
 
-def _serve(sock: socket.socket, inherited: list[int]) -> None:
+def _serve(sock: socket.socket) -> None:
     """A worker's life: run the calls that come over ``sock`` until it closes."""
     # What the parent held at the fork (its env, grid2op, the caller's objects) is never
     # collected here: a full collection would go through all of it (0.15 to 0.2 s after a
@@ -55,11 +56,7 @@ def _serve(sock: socket.socket, inherited: list[int]) -> None:
     # Ctrl-C reaches the whole process group: the parent decides (it cancels, which kills us).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.set_wakeup_fd(-1)  # the parent's event loop's, not ours
-    for fd in inherited:  # other workers' socket ends: holding them would hide the parent's exit
-        try:
-            os.close(fd)
-        except OSError:
-            pass
+    _let_go_of_sockets(keep=sock.fileno())
     while True:
         try:
             fn, args = pickle.loads(receive_frame(sock))
@@ -81,6 +78,29 @@ def _serve(sock: socket.socket, inherited: list[int]) -> None:
             return
 
 
+def _let_go_of_sockets(keep: int) -> None:
+    """The sockets this process had at the fork but ``keep`` now point to /dev/null.
+
+    Held here, each would stay open for as long as the worker lives: a web server's client
+    connection it closed (the client would wait for an end that never comes), the parent's ends
+    of other workers' sockets (theirs would never see the parent go). Not closed: an object of
+    the parent's still owns each number, and would close it later, maybe once reused.
+    """
+    null = os.open(os.devnull, os.O_RDWR)
+    try:
+        for name in os.listdir("/proc/self/fd"):
+            fd = int(name)
+            if fd in (keep, null) or fd <= 2:
+                continue
+            try:
+                if stat.S_ISSOCK(os.fstat(fd).st_mode):
+                    os.dup2(null, fd)
+            except OSError:
+                pass  # the listing's own descriptor, closed since
+    finally:
+        os.close(null)
+
+
 # Bytes beyond this in a call's arguments are framed in a thread (a warm-up call's recipe).
 _BIG_ARGUMENT = 1 << 20
 
@@ -90,12 +110,10 @@ def _call_frame(fn: Callable[..., Any], args: tuple[Any, ...]) -> bytes:
 
 
 class _Worker:
-    def __init__(self, inherited: list[int]) -> None:
+    def __init__(self) -> None:
         mine, child = socket.socketpair()
         context = multiprocessing.get_context("fork")
-        self.process = context.Process(
-            target=_serve, args=(child, [*inherited, mine.fileno()]), daemon=True
-        )
+        self.process = context.Process(target=_serve, args=(child,), daemon=True)
         # Not while a thread of this process builds an env (``hold``, under this lock): the
         # child drops the other threads' states, and a power flow's scipy SuperLU state then
         # freed (scipy <= 1.17 leaves an exception set doing so) failed the child's first
@@ -173,14 +191,10 @@ class ForkPool(WorkerPool):
             await anyio.lowlevel.checkpoint_if_cancelled()
             worker = self._idle_worker()
             if worker is None:
-                # One fork at a time, each child closing every other worker's parent-side
-                # socket end. Forking copies this process's page tables (tens of ms for a big
-                # parent): off the event loop's thread.
+                # One fork at a time. Forking copies this process's page tables (tens of ms
+                # for a big parent): off the event loop's thread.
                 async with self._forking:
-                    inherited = [w.fileno() for w in (*self._idle, *self._busy)]
-                    worker = await anyio.to_thread.run_sync(
-                        _Worker, inherited, limiter=self._threads
-                    )
+                    worker = await anyio.to_thread.run_sync(_Worker, limiter=self._threads)
             self._busy.add(worker)
             try:
                 result: T = await worker.call(fn, args, self._threads)
