@@ -16,7 +16,7 @@ from anyio.abc import AsyncResource
 
 from ._engine._central import CentralAgent
 from ._engine._dispatch import Run, RunSettings
-from ._engine._envs import hold, release, warm
+from ._engine._envs import copies_faithfully, hold, release, warm
 from ._engine._parsed import ParsedAhead
 from ._engine._pool import WorkerPool
 from ._engine._recipe import agent_name, agent_recipe, class_attributes, env_key, recipes
@@ -151,7 +151,8 @@ class AsyncRunner(AsyncResource):
         self.retries = retries
         self._central = agent if isinstance(agent, CentralAgent) else None
         # Each mix's chronic names, as its workers' env orders them; a single env is the mix None.
-        copied = copy_env and executor is None and _FORK  # workers start from copies of it
+        # Whether the workers start from copies of it (see _hold).
+        copied = copy_env and executor is None and _FORK and copies_faithfully(self._first_env)
         self._names = {
             mix: chronic_names(source, as_built=not (copied and source is self._first_env))
             for mix, source in sources.items()
@@ -195,7 +196,9 @@ class AsyncRunner(AsyncResource):
             if self.copy_env:
                 _check_no_pending_parameters(self._first_env)
             self._held = True  # before the await: a cancel lands after the hold is done
-            make = self._first_env.copy if self.copy_env else None
+            # An env whose copies would not play as a new env is built, copy_env or not.
+            copies = self.copy_env and copies_faithfully(self._first_env)
+            make = self._first_env.copy if copies else None
             self._held = await anyio.to_thread.run_sync(
                 hold, self._recipe_key, self._recipe_bytes, self._lent_env, make
             )

@@ -29,8 +29,10 @@ from grid2op.Environment.dispatch import BaseRedispatchSolver, RedispatchResult
 from grid2op.Exceptions import ImpossibleRedispatching
 from grid2op.Opponent import BaseActionBudget, BaseOpponent
 from grid2op.Reward import BaseReward
+from grid2op.Rules import BaseRules
 from grid2op.Runner import Runner as GridRunner
 from grid2op.VoltageControler import ControlVoltageFromFile
+from lightsim2grid import LightSimBackend
 
 from asyncrunner import AsyncRunner
 from asyncrunner.compat import _runner as compat
@@ -382,6 +384,57 @@ def test_a_run_after_the_agent_class_changed_is_refused(env: Any) -> None:
         anyio.run(main)
     finally:
         OneChangeThenNothing.my_dict = {}
+
+
+class ScaledLoads(LightSimBackend):  # type: ignore[misc]  # LightSim is untyped
+    """A backend subclass setting an attribute in ``__init__`` (recorded for runner params)."""
+
+    load_factor = 1.0
+
+    def __init__(self, load_factor: float = 1.0, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._my_kwargs["load_factor"] = load_factor
+        self.load_factor = load_factor
+
+    def loads_info(self) -> Any:
+        p, q, v = super().loads_info()
+        return p * self.load_factor, q, v
+
+
+class OddStepRules(BaseRules):  # type: ignore[misc]  # grid2op is untyped
+    """Acting is illegal on odd steps, read from the env ``initialize`` gives."""
+
+    def initialize(self, env: Any) -> None:
+        self.env = env
+
+    def __call__(self, action: Any, env: Any) -> tuple[bool, Any]:
+        return not (self.env.nb_time_step % 2 and action.can_affect_something()), None
+
+
+class Toggles(BaseAgent):  # type: ignore[misc]  # grid2op is untyped
+    """Disconnects and reconnects a line in turn (illegal on odd steps under OddStepRules)."""
+
+    def act(self, observation: Any, reward: float, done: bool = False) -> Any:
+        status = -1 if observation.current_step % 4 == 0 else 1
+        return self.action_space({"set_line_status": [(3, status)]})
+
+
+@pytest.mark.parametrize("copy_env", [False, True])
+def test_a_users_backend_and_rules_play_as_in_grid2op(copy_env: bool) -> None:
+    """A copy keeps neither what a LightSim subclass's ``__init__`` set (LightSim's copy takes a
+    fixed list of attributes) nor the env rules keep from ``initialize``: such envs play a new
+    build per episode (and copy_env builds too)."""
+    env = make_env(backend=ScaledLoads(load_factor=1.5), gamerules_class=OddStepRules)
+    try:
+        expected = grid2op_run({**env.get_params_for_runner(), "agentClass": Toggles})
+
+        async def main() -> list[Any]:
+            async with AsyncRunner(env, agent=Toggles, workers=2, copy_env=copy_env) as runner:
+                return [r.as_tuple() for r in await runner.run(3, **seeds(3))]
+
+        assert played(anyio.run(main)) == expected
+    finally:
+        env.close()
 
 
 # --- env parameters that plain pickle cannot send -------------------------------------------

@@ -81,8 +81,8 @@ class _Cached:
         if self.pristine is None:
             with _ENVS_LOCK:  # grid2op's class creation is not thread-safe
                 self.pristine = self._build()
-        if not getattr(self.pristine.backend, "_can_be_copied", True):
-            # Its backend cannot be copied: play the pristine env itself, build another next time.
+        if not copies_faithfully(self.pristine):
+            # Play the pristine env itself, build another next time.
             env, self.pristine = self.pristine, None
             return env
         return fresh_copy(self.pristine)
@@ -172,6 +172,34 @@ _GRID2OP_PARTS = ("grid2op.Reward.", "grid2op.Opponent.", "grid2op.VoltageContro
 
 def _grid2ops(part: Any) -> bool:
     return type(part).__module__.startswith(_GRID2OP_PARTS)
+
+
+# Where the classes of the parts that ``copies_faithfully`` checks come from when they are
+# grid2op's (or LightSim's) own: their copies are checked by tests/test_parity.py.
+_COPIED_PARTS = (
+    "grid2op.Backend.",
+    "lightsim2grid.",
+    "grid2op.Rules.",
+    "grid2op.operator_attention.",
+)
+
+
+def copies_faithfully(pristine: Any) -> bool:
+    """Whether a copy of ``pristine`` plays as a new env: its backends can be copied and are
+    grid2op's or LightSim's classes (a backend's ``copy`` keeps a fixed list of attributes, not a
+    subclass's), and its rules and attention budget are grid2op's (the copy deep-copies them,
+    with the env one kept from ``initialize``). Otherwise each episode plays a new build."""
+    forecasts = getattr(pristine._observation_space, "obs_env", None)
+    for backend in (pristine.backend, getattr(forecasts, "backend", None)):
+        if backend is None:
+            continue
+        if not getattr(backend, "_can_be_copied", True):
+            return False
+        cls = type(backend)
+        if not (getattr(cls, "_INIT_GRID_CLS", None) or cls).__module__.startswith(_COPIED_PARTS):
+            return False
+    others = [pristine._game_rules.legal_action, getattr(pristine, "_attention_budget", None)]
+    return all(p is None or type(p).__module__.startswith(_COPIED_PARTS) for p in others)
 
 
 _ENVS: dict[str, _Cached] = {}
@@ -265,7 +293,7 @@ def hold(
                     for c, _ in _HELD.values()
                     if c.recipe.env_key == recipe.env_key
                     and not c.lent  # its lender may close it before this hold ends
-                    and getattr(c.pristine.backend, "_can_be_copied", True)
+                    and copies_faithfully(c.pristine)
                 ),
                 None,
             )
@@ -359,7 +387,7 @@ def get_env(
             while len(_ENVS) >= max(keep, _MAX_ENVS) and idle:
                 _ENVS.pop(idle.pop(0)).close()
             pristine = busy.pristine if busy is not None else None
-            if not getattr(getattr(pristine, "backend", None), "_can_be_copied", True):
+            if pristine is not None and not copies_faithfully(pristine):
                 pristine = None  # played itself by the busy entry's episode
             cached = _Cached(pickle.loads(recipe_bytes()), pristine)
         _ENVS[key] = cached  # most recently used last
