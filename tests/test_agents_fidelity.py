@@ -16,7 +16,7 @@ import subprocess
 import sys
 import warnings
 from collections.abc import Iterator
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -435,6 +435,29 @@ def test_a_users_backend_and_rules_play_as_in_grid2op(copy_env: bool) -> None:
         assert played(anyio.run(main)) == expected
     finally:
         env.close()
+
+
+class SimulatesOnce(BaseAgent):  # type: ignore[misc]  # grid2op is untyped
+    """Simulates doing nothing once per step, then does it."""
+
+    def act(self, observation: Any, reward: float, done: bool = False) -> Any:
+        observation.simulate(self.action_space({}))
+        return self.action_space({})
+
+
+def test_episodes_in_threads_count_their_own_simulations(env: Any) -> None:
+    """grid2op's copy shares the high-resolution simulation counter: two copies playing at once
+    in one process (a thread executor) counted each other's, and a new copy reset the other's."""
+
+    async def main() -> list[Any]:
+        with ThreadPoolExecutor(2) as executor:
+            async with AsyncRunner(
+                env, agent=SimulatesOnce, workers=2, executor=executor
+            ) as runner:
+                return await runner.run(4, max_iter=30, episode_id=[0, 1, 0, 1])
+
+    results = anyio.run(main)
+    assert [(r.nb_time_step, r.nb_highres_sim) for r in results] == [(30, 30)] * 4
 
 
 # --- env parameters that plain pickle cannot send -------------------------------------------

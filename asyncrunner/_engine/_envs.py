@@ -108,13 +108,20 @@ def fresh_copy(pristine: Any) -> Any:
 
     What grid2op's copy shares with the original and an episode changes (checked by
     tests/test_parity.py on everything the pristine env holds): the high-resolution simulation
-    counter (shared on purpose; a fresh env counts from 0), and the initial state meant to be
-    constant, whose one-element arrays (a single shunt's setpoint, ...) cannot be made read-only
-    and are written by the episode through the env's and the forecast env's state after a reset.
+    counter (shared on purpose; a fresh env has its own, from 0: copies playing at once in
+    threads counted together), and the initial state meant to be constant, whose one-element
+    arrays (a single shunt's setpoint, ...) cannot be made read-only and are written by the
+    episode through the env's and the forecast env's state after a reset.
     """
+    from grid2op.Observation.highresSimCounter import HighResSimCounter
+
     env = pristine.copy()
-    env._highres_sim_counter._HighResSimCounter__nb_highres_called = 0
-    for part in (env, getattr(env._observation_space, "obs_env", None)):
+    forecasts = getattr(env._observation_space, "obs_env", None)
+    counter = HighResSimCounter()
+    for holder in (env, env._observation_space, forecasts):
+        if holder is not None:
+            holder._highres_sim_counter = counter
+    for part in (env, forecasts):
         if part is not None and part._cst_prev_state_at_init is not None:
             initial = part._cst_prev_state_at_init.copy()
             initial.prevent_modification()
