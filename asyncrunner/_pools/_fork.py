@@ -22,7 +22,7 @@ import os
 import pickle
 import signal
 import socket
-import stat
+import threading
 import traceback
 import warnings
 from collections.abc import Callable
@@ -47,7 +47,7 @@ def available() -> bool:
     return os.uname().sysname == "Linux" if hasattr(os, "uname") else False
 
 
-def _serve(sock: socket.socket) -> None:
+def _serve(sock: socket.socket, parent_ends: list[int]) -> None:
     """A worker's life: run the calls that come over ``sock`` until it closes."""
     # What the parent held at the fork (its env, grid2op, the caller's objects) is never
     # collected here: a full collection would go through all of it (0.15 to 0.2 s after a
@@ -56,7 +56,11 @@ def _serve(sock: socket.socket) -> None:
     # Ctrl-C reaches the whole process group: the parent decides (it cancels, which kills us).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.set_wakeup_fd(-1)  # the parent's event loop's, not ours
-    _let_go_of_sockets(keep=sock.fileno())
+    for fd in parent_ends:  # workers' parent-side ends: holding them would hide their closing
+        try:
+            os.close(fd)
+        except OSError:
+            pass
     while True:
         try:
             fn, args = pickle.loads(receive_frame(sock))
@@ -78,29 +82,6 @@ def _serve(sock: socket.socket) -> None:
             return
 
 
-def _let_go_of_sockets(keep: int) -> None:
-    """The sockets this process had at the fork but ``keep`` now point to /dev/null.
-
-    Held here, each would stay open for as long as the worker lives: a web server's client
-    connection it closed (the client would wait for an end that never comes), the parent's ends
-    of other workers' sockets (theirs would never see the parent go). Not closed: an object of
-    the parent's still owns each number, and would close it later, maybe once reused.
-    """
-    null = os.open(os.devnull, os.O_RDWR)
-    try:
-        for name in os.listdir("/proc/self/fd"):
-            fd = int(name)
-            if fd in (keep, null) or fd <= 2:
-                continue
-            try:
-                if stat.S_ISSOCK(os.fstat(fd).st_mode):
-                    os.dup2(null, fd)
-            except OSError:
-                pass  # the listing's own descriptor, closed since
-    finally:
-        os.close(null)
-
-
 # Bytes beyond this in a call's arguments are framed in a thread (a warm-up call's recipe).
 _BIG_ARGUMENT = 1 << 20
 
@@ -109,11 +90,17 @@ def _call_frame(fn: Callable[..., Any], args: tuple[Any, ...]) -> bytes:
     return frame(pickle.dumps((fn, args), protocol=5))
 
 
+# The parent-side socket ends of this process's live workers, every pool's: a worker forked
+# later closes its copies, or the worker at the other end would not see its pool stop (closing
+# a runner waited its grace, then killed, each worker another runner's later fork held).
+_PARENT_ENDS: set[int] = set()
+_PARENT_ENDS_LOCK = threading.Lock()
+
+
 class _Worker:
     def __init__(self) -> None:
         mine, child = socket.socketpair()
         context = multiprocessing.get_context("fork")
-        self.process = context.Process(target=_serve, args=(child,), daemon=True)
         # Not while a thread of this process builds an env (``hold``, under this lock): the
         # child drops the other threads' states, and a power flow's scipy SuperLU state then
         # freed (scipy <= 1.17 leaves an exception set doing so) failed the child's first
@@ -124,14 +111,15 @@ class _Worker:
             warnings.filterwarnings(
                 "ignore", "This process .* is multi-threaded", DeprecationWarning
             )
+            with _PARENT_ENDS_LOCK:
+                _PARENT_ENDS.add(mine.fileno())
+                ends = [*_PARENT_ENDS]
+            self.process = context.Process(target=_serve, args=(child, ends), daemon=True)
             self.process.start()
         child.close()
         self.conn = AsyncSocket(mine)
         assert self.process.pid is not None  # set by start()
         self.pid = self.process.pid
-
-    def fileno(self) -> int:
-        return self.conn.sock.fileno()
 
     async def call(
         self, fn: Callable[..., Any], args: tuple[Any, ...], threads: anyio.CapacityLimiter
@@ -158,6 +146,12 @@ class _Worker:
     def kill(self) -> None:
         self.process.kill()
         self.process.join()
+        self.close()
+
+    def close(self) -> None:
+        """Close this side of the worker's socket (it then exits, once idle)."""
+        with _PARENT_ENDS_LOCK:  # out of the set before its number can be reused
+            _PARENT_ENDS.discard(self.conn.sock.fileno())
         self.conn.sock.close()
 
 
@@ -228,7 +222,7 @@ class ForkPool(WorkerPool):
 
         def stop() -> None:
             for worker in idle:
-                worker.conn.sock.close()
+                worker.close()
             for worker in idle:
                 worker.process.join(STOP_GRACE)
                 if worker.process.exitcode is None:
