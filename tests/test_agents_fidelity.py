@@ -331,21 +331,25 @@ class ScaledVoltages(ControlVoltageFromFile):  # type: ignore[misc]  # grid2op i
 
 class StepCountReward(BaseReward):  # type: ignore[misc]  # grid2op is untyped
     """Keeps the env ``initialize`` gives it, and reads its step count; plus the lines in
-    service (an attack shows)."""
+    service (an attack shows); times ``scale`` (an instance given to make keeps its own)."""
+
+    def __init__(self, scale: float = 1.0, logger: Any = None) -> None:
+        super().__init__(logger=logger)
+        self.scale = scale
 
     def initialize(self, env: Any) -> None:
         self.env = env
         self.reward_min, self.reward_max = 0.0, 1000.0
 
     def __call__(self, action: Any, env: Any, *flags: Any) -> float:
-        return float(self.env.nb_time_step + env.backend.get_line_status().sum())
+        return self.scale * float(self.env.nb_time_step + env.backend.get_line_status().sum())
 
 
 def test_a_users_opponent_voltage_controller_and_rewards_play_as_in_grid2op() -> None:
     """Episodes play copies of an env: grid2op's copy loses what such classes set in
     ``__init__`` / ``init``, and points a reward's env at the env copied (never played)."""
     env = make_env(
-        reward_class=StepCountReward,
+        reward_class=StepCountReward(scale=2.0),
         other_rewards={"steps": StepCountReward},
         voltagecontroler_class=ScaledVoltages,
         opponent_class=EveryFifthStep,
@@ -359,8 +363,8 @@ def test_a_users_opponent_voltage_controller_and_rewards_play_as_in_grid2op() ->
     )
     try:
         expected = grid2op_run({**env.get_params_for_runner(), "agentClass": DoNothingAgent})
-        untouched = 210.0 + 20 * env.n_line  # steps 1 + 2 + ... + 20, every line in service
-        assert all(210.0 < r[1] < untouched for r in expected)  # the opponent attacked
+        untouched = 2 * (210.0 + 20 * env.n_line)  # steps 1 + ... + 20, every line in service
+        assert all(420.0 < r[1] < untouched for r in expected)  # the opponent attacked
         assert async_run(env, DoNothingAgent) == expected
     finally:
         env.close()

@@ -142,15 +142,14 @@ def _rebuild_user_parts(env: Any) -> None:
     """
     from grid2op.Reward import RewardHelper
 
-    helpers = {"": env._reward_helper, **env.other_rewards}
-    for name, helper in helpers.items():
+    if not _grid2ops(env._reward_helper.template_reward):
+        # ``_rewardClass``: the class, or the instance given to make (copied with what it holds)
+        env._reward_helper = RewardHelper(env._rewardClass, logger=env._reward_helper.logger)
+        env._reward_helper.initialize(env)
+    for name, helper in list(env.other_rewards.items()):
         if not _grid2ops(helper.template_reward):
-            fresh = RewardHelper(helper.rewardClass, logger=helper.logger)
-            fresh.initialize(env)
-            if name:
-                env.other_rewards[name] = fresh
-            else:
-                env._reward_helper = fresh
+            env.other_rewards[name] = RewardHelper(helper.rewardClass, logger=helper.logger)
+            env.other_rewards[name].initialize(env)
     if env._voltage_controler is not None and not _grid2ops(env._voltage_controler):
         env._voltage_controler = env._voltagecontrolerClass(
             gridobj=type(env.backend),
