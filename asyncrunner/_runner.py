@@ -131,9 +131,11 @@ class AsyncRunner(AsyncResource):
         _check_sinks(sinks)
         kind, payload = agent_recipe(agent)
         self._agent_name = agent_name(agent)
-        # A class's attributes as the workers, forked now, will see them (_check_agent_class).
-        self._agent_class = agent if isinstance(agent, type) else None
-        self._class_attributes = None if self._agent_class is None else class_attributes(agent)
+        # A class's attributes as forked workers will see them (_check_agent_class); workers
+        # that import the class afresh see them as imported, whatever this process changes.
+        forked = executor is None and _FORK
+        self._agent_class = agent if isinstance(agent, type) and forked else None
+        self._class_attributes = {} if self._agent_class is None else class_attributes(agent)
         # A MultiMixEnvironment: one recipe per mix (each mix is an env of its own for grid2op).
         self._mixes = mixes_of(env)
         sources: dict[str | None, Any] = {None: env}
@@ -344,13 +346,11 @@ class AsyncRunner(AsyncResource):
         ``OneChangeThenNothing.gen_next`` changes them): its workers would play it as it was."""
         if self._agent_class is None:
             return
-        now = class_attributes(self._agent_class)
-        if now != self._class_attributes:
-            changed = sorted(
-                name
-                for name in now.keys() | (self._class_attributes or {}).keys()
-                if now.get(name) != (self._class_attributes or {}).get(name)
-            )
+        # The same objects (a value a method caches in them, an action's vector, changes
+        # nothing), or equal numbers and strings.
+        now, then = class_attributes(self._agent_class), self._class_attributes
+        changed = sorted(n for n in now.keys() | then.keys() if not _same(now.get(n), then.get(n)))
+        if changed:
             raise ValueError(
                 f"{self._agent_class.__qualname__}'s class attributes changed since this "
                 f"AsyncRunner was made ({', '.join(changed)}): its workers build the agent as "
@@ -429,6 +429,10 @@ class AsyncRunner(AsyncResource):
                     yield receive
                 finally:
                     group.cancel_scope.cancel()
+
+
+def _same(value: Any, then: Any) -> bool:
+    return value is then or (isinstance(value, int | float | str | bytes) and value == then)
 
 
 def _check_sinks(sinks: Sequence[Sink]) -> None:

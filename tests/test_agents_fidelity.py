@@ -18,7 +18,7 @@ import warnings
 from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import anyio
 import pytest
@@ -388,6 +388,33 @@ def test_a_run_after_the_agent_class_changed_is_refused(env: Any) -> None:
         anyio.run(main)
     finally:
         OneChangeThenNothing.my_dict = {}
+
+
+class PlaysItsList(BaseAgent):  # type: ignore[misc]  # grid2op is untyped
+    """Plays the actions its class holds, in turn."""
+
+    actions: ClassVar[list[Any]] = []
+
+    def act(self, observation: Any, reward: float, done: bool = False) -> Any:
+        return self.actions[observation.current_step % len(self.actions)]
+
+
+def test_using_the_agent_class_attributes_is_not_changing_them(
+    env: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An action caches its vector in itself: reading it between runs changed its pickle, which
+    an earlier check took for a changed class."""
+    monkeypatch.setattr(PlaysItsList, "actions", [env.action_space({}) for _ in range(2)])
+
+    async def main() -> list[list[Any]]:
+        async with AsyncRunner(env, agent=PlaysItsList, workers=1) as runner:
+            first = await runner.run(1, max_iter=3, env_seeds=[0])
+            vectors = [a.to_vect() for a in PlaysItsList.actions]
+            assert len(vectors) == 2
+            return [first, await runner.run(1, max_iter=3, env_seeds=[0])]
+
+    first, second = anyio.run(main)
+    assert [r.as_tuple() for r in first] == [r.as_tuple() for r in second]
 
 
 class ScaledLoads(LightSimBackend):  # type: ignore[misc]  # LightSim is untyped

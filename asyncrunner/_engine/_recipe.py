@@ -180,18 +180,14 @@ def agent_recipe(agent: Any) -> tuple[str, Any]:
     )
 
 
-def class_attributes(cls: type) -> dict[str, bytes]:
-    """The picklable values ``cls`` itself holds (not its methods, properties...), pickled: what
-    a worker forked from this process sees, and one that imports the class afresh does not."""
-    found = {}
-    for name, value in vars(cls).items():
-        if name.startswith("__") or hasattr(value, "__get__"):
-            continue  # methods, properties and the like come with the class
-        try:
-            found[name] = dumps(value)
-        except Exception:
-            continue
-    return found
+def class_attributes(cls: type) -> dict[str, Any]:
+    """The values ``cls`` itself holds (not its methods, properties...): what a worker forked
+    from this process sees, and one that imports the class afresh may not."""
+    return {
+        name: value
+        for name, value in vars(cls).items()
+        if not name.startswith("__") and not hasattr(value, "__get__")
+    }
 
 
 def agent_name(agent: Any) -> str:

@@ -7,7 +7,7 @@ import threading
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
-from .._engine._recipe import class_attributes
+from .._engine._recipe import class_attributes, dumps
 from .._model import EpisodeResult
 from .._runner import AsyncRunner
 
@@ -84,7 +84,13 @@ class AgentClass:
 
     def __init__(self, cls: type) -> None:
         self.cls = cls
-        self.state = {name: vars(cls)[name] for name in class_attributes(cls)}
+        self.state = {}
+        for name, value in class_attributes(cls).items():
+            try:
+                dumps(value)
+            except Exception:
+                continue
+            self.state[name] = value
 
     def __call__(self, action_space: Any) -> Any:
         for name, value in self.state.items():
