@@ -172,22 +172,24 @@ def _rebuild_user_parts(env: Any) -> None:
         env._oppSpace.reset()
 
 
-# The packages of grid2op's own rewards, opponents and voltage controllers (not its tests').
-_GRID2OP_PARTS = ("grid2op.Reward.", "grid2op.Opponent.", "grid2op.VoltageControler.")
-
-
-def _grid2ops(part: Any) -> bool:
-    return type(part).__module__.startswith(_GRID2OP_PARTS)
-
-
-# Where the classes of the parts that ``copies_faithfully`` checks come from when they are
-# grid2op's (or LightSim's) own: their copies are checked by tests/test_parity.py.
-_COPIED_PARTS = (
+# The packages of grid2op's (and LightSim's) own env parts, whose copies tests/test_parity.py
+# checks (not grid2op's tests' classes).
+_OWN_PACKAGES = (
+    "grid2op.Reward.",
+    "grid2op.Opponent.",
+    "grid2op.VoltageControler.",
     "grid2op.Backend.",
     "lightsim2grid.",
     "grid2op.Rules.",
     "grid2op.operator_attention.",
 )
+
+
+def _grid2ops(part: Any) -> bool:
+    """Whether ``part``'s class is grid2op's own (a backend's: the class grid2op derived its
+    grid's class from)."""
+    cls = type(part)
+    return (getattr(cls, "_INIT_GRID_CLS", None) or cls).__module__.startswith(_OWN_PACKAGES)
 
 
 def copies_faithfully(pristine: Any) -> bool:
@@ -199,13 +201,10 @@ def copies_faithfully(pristine: Any) -> bool:
     for backend in (pristine.backend, getattr(forecasts, "backend", None)):
         if backend is None:
             continue
-        if not getattr(backend, "_can_be_copied", True):
-            return False
-        cls = type(backend)
-        if not (getattr(cls, "_INIT_GRID_CLS", None) or cls).__module__.startswith(_COPIED_PARTS):
+        if not (getattr(backend, "_can_be_copied", True) and _grid2ops(backend)):
             return False
     others = [pristine._game_rules.legal_action, getattr(pristine, "_attention_budget", None)]
-    return all(p is None or type(p).__module__.startswith(_COPIED_PARTS) for p in others)
+    return all(p is None or _grid2ops(p) for p in others)
 
 
 _ENVS: dict[str, _Cached] = {}
