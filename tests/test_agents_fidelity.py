@@ -370,6 +370,29 @@ def test_a_users_opponent_voltage_controller_and_rewards_play_as_in_grid2op() ->
         env.close()
 
 
+class FollowsItsForecasts(BaseAgent):  # type: ignore[misc]  # grid2op is untyped
+    """Disconnects or reconnects a line by what ``simulate`` gives for doing nothing: the reward
+    and the other reward "steps" the forecast env computes."""
+
+    def act(self, observation: Any, reward: float, done: bool = False) -> Any:
+        _, simulated, _, info = observation.simulate(self.action_space({}))
+        disconnect = (int(simulated) + int(info["rewards"]["steps"])) % 3 == 0
+        return self.action_space({"set_line_status": [(3, -1 if disconnect else 1)]})
+
+
+def test_a_users_rewards_in_the_forecast_env_play_as_in_grid2op() -> None:
+    """``simulate`` computes rewards in the forecast env, where grid2op's copy points a reward's
+    env at the forecast env copied (never played)."""
+    env = make_env(
+        reward_class=StepCountReward(scale=1.5), other_rewards={"steps": StepCountReward}
+    )
+    try:
+        expected = grid2op_run({**env.get_params_for_runner(), "agentClass": FollowsItsForecasts})
+        assert async_run(env, FollowsItsForecasts) == expected
+    finally:
+        env.close()
+
+
 def test_a_run_after_the_agent_class_changed_is_refused(env: Any) -> None:
     """Workers forked as the runner opened keep the class as it was: grid2op's own pattern,
     ``OneChangeThenNothing.gen_next(...)`` before each run, played the first action again."""

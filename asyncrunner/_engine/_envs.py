@@ -138,7 +138,8 @@ def _rebuild_user_parts(env: Any) -> None:
     would read the pristine env, never played) and rebuilds the opponent and the voltage
     controller with ``__new__`` and ``_custom_deepcopy_for_copy`` (what ``__init__`` or the
     opponent's ``init`` set is lost, unless the class copies it). grid2op's own classes copy
-    correctly (tests/test_parity.py); a user's class is made afresh, as in ``Environment``.
+    correctly (tests/test_parity.py); a user's class is made afresh, as in ``Environment``, for
+    the env and for its forecast env (``obs.simulate``), as ``ObservationSpace`` makes them.
     """
     from grid2op.Reward import RewardHelper
 
@@ -150,6 +151,19 @@ def _rebuild_user_parts(env: Any) -> None:
         if not _grid2ops(helper.template_reward):
             env.other_rewards[name] = RewardHelper(helper.rewardClass, logger=helper.logger)
             env.other_rewards[name].initialize(env)
+    space = env._observation_space
+    forecasts = getattr(space, "obs_env", None)
+    if forecasts is not None:
+        if not _grid2ops(space.reward_helper.template_reward):
+            # One helper, the space's and its forecast env's (``_reward_func``: as given to make)
+            space.reward_helper = RewardHelper(space._reward_func, logger=space.logger)
+            forecasts._reward_helper = space.reward_helper
+            space.reward_helper.initialize(forecasts)
+        for name, helper in list(forecasts.other_rewards.items()):
+            if not _grid2ops(helper.template_reward):
+                forecasts.other_rewards[name] = RewardHelper(helper.rewardClass, forecasts.logger)
+                forecasts.other_rewards[name].initialize(forecasts)
+                forecasts.other_rewards[name].reset(forecasts)
     if env._voltage_controler is not None and not _grid2ops(env._voltage_controler):
         env._voltage_controler = env._voltagecontrolerClass(
             gridobj=type(env.backend),
