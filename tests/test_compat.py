@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import gc
+import inspect
 import multiprocessing
 import os
 import shutil
@@ -220,6 +221,18 @@ def test_the_runners_parameters_as_they_are_when_it_runs(env: Any) -> None:
     assert got[1] == got[0]
     (before, after) = got[0]
     assert before[0][3] < 20 and after[0][3] == 30  # the change played: no overflow cut
+
+
+def test_the_constructor_has_grid2ops_signature(env: Any) -> None:
+    """grid2op's own test_get_params: what ``_get_params`` returns builds a runner, read from
+    the constructor's signature (ours took ``*args, **kwargs``)."""
+    parameters = inspect.signature(compat.Runner.__init__).parameters
+    assert parameters == inspect.signature(GridRunner.__init__).parameters
+    runner = compat_runner(env)
+    try:
+        assert set(runner._get_params()) <= set(parameters)
+    finally:
+        runner.close()
 
 
 def test_float_episode_ids_play_as_grid2op_plays_them(env: Any) -> None:

@@ -53,6 +53,7 @@ Where it differs from grid2op's Runner:
 from __future__ import annotations
 
 import contextlib
+import inspect
 import os
 import warnings
 import weakref
@@ -122,6 +123,10 @@ class Runner(_GridRunner):  # type: ignore[misc]  # grid2op is untyped (Any base
         finally:
             self._ar_capture = False
         self._ar_note_env()
+
+    # grid2op's parameters, for help(), IDEs and code reading them (grid2op's own tests check
+    # that what ``_get_params`` returns can build a runner, from this signature)
+    __init__.__signature__ = inspect.signature(_GridRunner.__init__)  # type: ignore[attr-defined]
 
     def init_env(self) -> Any:
         env = super().init_env()
