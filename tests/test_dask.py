@@ -183,6 +183,38 @@ async def test_killed_dask_worker_episode_is_retried_once(env: Any, cluster: Any
         assert firsts == sorted(firsts) and lengths == 200
 
 
+async def test_episodes_cancelled_by_a_cluster_restart_are_retried(env: Any) -> None:
+    """``client.restart()`` cancels every task ("Please re-run your work"): a worker loss."""
+    events: list[Any] = []
+    playing = anyio.Event()
+
+    def note(event: Any) -> None:
+        events.append(event)
+        if isinstance(event, StepBatch) and event.attempt == 1:
+            playing.set()
+
+    kwargs = dict(KWARGS, nb_episode=2, max_iter=100, env_seeds=[1, 2], agent_seeds=[3, 4])
+    kwargs["episode_id"] = [0, 1]
+    with distributed.LocalCluster(
+        n_workers=2, threads_per_worker=1, processes=True, host="127.0.0.1", dashboard_address=":0"
+    ) as local:
+        async with (
+            distributed.Client(local.scheduler_address, asynchronous=True) as client,
+            AsyncRunner(env, agent=Slow, workers=2, executor=client) as runner,
+            anyio.create_task_group() as tg,
+        ):
+
+            async def restart() -> None:
+                await playing.wait()
+                await client.restart()
+
+            tg.start_soon(restart)
+            results = await runner.run(**kwargs, sinks=[CallbackSink(note)])
+    assert [(r.error, r.nb_time_step) for r in results] == [(None, 100), (None, 100)]
+    failed = [e for e in events if isinstance(e, EpisodeFailed)]
+    assert failed and all(e.retrying and "Dask cancelled the task" in e.message for e in failed)
+
+
 async def test_cancelling_a_run_stops_the_cluster_work(env: Any, cluster: Any) -> None:
     started = anyio.Event()
     seen: list[Any] = []

@@ -20,6 +20,7 @@ client's are waited for in a thread, which works under asyncio and trio.
 
 from __future__ import annotations
 
+import concurrent.futures
 import ipaddress
 import math
 import socket
@@ -43,7 +44,8 @@ _LOST = "lost"
 
 
 class WorkerLost(Exception):
-    """The Dask worker playing an attempt died (Dask re-ran the task; we retry instead)."""
+    """The Dask worker playing an attempt died (Dask re-ran the task; we retry instead), or Dask
+    cancelled the task (``client.restart()``)."""
 
 
 def _dask_episode(job: EpisodeJob) -> str:
@@ -233,6 +235,10 @@ class DaskExecutor:
                     future.result, abandon_on_cancel=True, limiter=self._waits
                 )
             done = True
+        except concurrent.futures.CancelledError as exc:
+            # Not ours (the loop cancels this task, not the future): Dask cancelled it, as
+            # ``client.restart()`` cancels every task and restarts the workers.
+            raise WorkerLost(f"Dask cancelled the task: {exc}") from exc
         finally:
             if not done:
                 with anyio.CancelScope(shield=True), anyio.move_on_after(5):
