@@ -32,7 +32,7 @@ from asyncrunner import (
 )
 from asyncrunner._engine import _channel
 from asyncrunner._engine._dispatch import SINK_BUFFER
-from asyncrunner.sinks import CallbackSink, LoggingSink, ProgressBar, Sink
+from asyncrunner.sinks import CallbackSink, EpisodeDataWriter, LoggingSink, ProgressBar, Sink
 
 from .conftest import make_env
 
@@ -385,6 +385,49 @@ class FailingToClose(Sink):
 
     async def aclose(self) -> None:
         raise OSError("boom in aclose")
+
+
+class SlowWriter(EpisodeDataWriter):
+    """Saves as ``EpisodeDataWriter`` does, after a pause per episode (a slow disk)."""
+
+    async def send(self, event: Event) -> None:
+        if isinstance(event, EpisodeFinished):
+            await anyio.sleep(0.3)
+        await super().send(event)
+
+
+class FailsOnSecondEnd(Sink):
+    """Fails on the second episode end it gets; notes the ends it took."""
+
+    def __init__(self) -> None:
+        self.ended: list[int] = []
+
+    def __repr__(self) -> str:
+        return "<FailsOnSecondEnd>"
+
+    async def send(self, event: Event) -> None:
+        if isinstance(event, EpisodeFinished):
+            self.ended.append(event.index)
+            if len(self.ended) == 2:
+                raise ValueError("boom on the second end")
+
+
+async def test_a_failing_sink_leaves_the_other_sinks_their_events(env: Any, tmp_path: Path) -> None:
+    """A sink failing (in aclose, or in send: the run stops) cancelled the others: a writer
+    behind lost the episodes it had been given, played and reported finished."""
+    async with AsyncRunner(env, agent=DoNothingAgent, workers=2) as runner:
+        writer = SlowWriter(tmp_path / "closing")
+        with anyio.fail_after(TIMEOUT), pytest.raises(SinkError, match="failed closing"):
+            await runner.run(3, max_iter=3, sinks=[FailingToClose(), writer])
+        assert sorted(writer.paths) == [0, 1, 2]
+        writer, failing = SlowWriter(tmp_path / "sending"), FailsOnSecondEnd()
+        with anyio.fail_after(TIMEOUT), pytest.raises(SinkError, match="second end") as info:
+            await runner.run(4, max_iter=3, sinks=[writer, failing])
+    # The writer got each end before the failing sink: it saved those, and the results say so.
+    assert len(failing.ended) == 2 and set(failing.ended) <= set(writer.paths)
+    saved = {r.index: r.path for r in info.value.results if r.path is not None}
+    assert saved == writer.paths
+    assert all([await anyio.Path(p, "episode_meta.json").is_file() for p in saved.values()])
 
 
 async def test_a_sink_failing_to_close_fails_the_run_with_sink_error_and_results(

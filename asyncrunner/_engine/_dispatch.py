@@ -121,6 +121,10 @@ class Run:
 
     async def _execute(self, out: MemoryObjectSendStream[Event] | None) -> list[EpisodeResult]:
         sink_sends: list[MemoryObjectSendStream[Event]] = []
+        # A sink failing stops the run (``playing``), not the other sinks: they finish the
+        # events they were given (a writer saves the episodes it got), then close.
+        sink_errors: list[SinkError] = []
+        playing = anyio.CancelScope()
         async with (
             open_channel(listen=self.pool.listen) as channel,
             serving(self.settings.central, channel, self._env_of) as self._agent,
@@ -132,7 +136,7 @@ class Run:
                     for sink in self.sinks:
                         send, receive = anyio.create_memory_object_stream[Event](SINK_BUFFER)
                         sink_sends.append(send)
-                        sink_group.start_soon(_consume, sink, receive)
+                        sink_group.start_soon(_consume, sink, receive, sink_errors, playing)
                     targets = [
                         (send, sink.episode_format is not None)
                         for send, sink in zip(sink_sends, self.sinks, strict=True)
@@ -140,13 +144,16 @@ class Run:
                     if out is not None:
                         targets.append((out, False))
                     emit = _fan_out(targets)
-                    self._stages = await self._make_stages()
-                    agent, spaces = self.settings.agent, self.settings.spaces
-                    await emit(RunStarted(self.run_id, len(self.requests), spaces, agent))
-                    await self._dispatch_and_collect(channel, emit)
-                    await emit(RunFinished(self.run_id, tuple(self._ordered())))
+                    with playing:
+                        self._stages = await self._make_stages()
+                        agent, spaces = self.settings.agent, self.settings.spaces
+                        await emit(RunStarted(self.run_id, len(self.requests), spaces, agent))
+                        await self._dispatch_and_collect(channel, emit)
+                        await emit(RunFinished(self.run_id, tuple(self._ordered())))
                     for send in sink_sends:
                         await send.aclose()
+                if sink_errors:
+                    raise sink_errors[0]
             except* SinkError as failed:
                 # As EpisodeError does: what was played stays known (and saved, where it was).
                 finished = [r for r in self._with_paths(self._ordered()) if r.error is None]
@@ -495,8 +502,17 @@ def _fan_out(
     return emit
 
 
-async def _consume(sink: Sink, receive: MemoryObjectReceiveStream[Event]) -> None:
+async def _consume(
+    sink: Sink,
+    receive: MemoryObjectReceiveStream[Event],
+    errors: list[SinkError],
+    playing: anyio.CancelScope,
+) -> None:
+    """Hand ``sink`` its events, then close it. Its failure is added to ``errors`` and stops
+    the run (``playing``); the events still coming are then dropped, so that the run never
+    waits for it."""
     first: BaseException | None = None
+    failed: SinkError | None = None
     try:
         async with receive:
             while True:
@@ -504,13 +520,18 @@ async def _consume(sink: Sink, receive: MemoryObjectReceiveStream[Event]) -> Non
                     event = await receive_soon(receive)
                 except anyio.EndOfStream:
                     break
+                if failed is not None:
+                    continue
                 try:
                     await sink.send(event)
                 except Exception as exc:
-                    raise SinkError(
+                    failed = SinkError(
                         f"sink {sink!r} failed on {type(event).__name__}: {type(exc).__name__}: {exc}"
-                    ) from exc
-    except BaseException as exc:  # the error to tell (or the cancellation to pass on)
+                    )
+                    failed.__cause__ = exc
+                    errors.append(failed)
+                    playing.cancel()
+    except BaseException as exc:  # the cancellation to pass on
         first = exc
         raise
     finally:
@@ -518,8 +539,12 @@ async def _consume(sink: Sink, receive: MemoryObjectReceiveStream[Event]) -> Non
             try:
                 await sink.aclose()
             except Exception as exc:
-                if first is None:
-                    raise SinkError(
+                told = first or failed
+                if told is None:
+                    closing = SinkError(
                         f"sink {sink!r} failed closing (aclose): {type(exc).__name__}: {exc}"
-                    ) from exc
-                first.add_note(f"then sink {sink!r} failed closing: {type(exc).__name__}: {exc}")
+                    )
+                    closing.__cause__ = exc
+                    errors.append(closing)
+                else:
+                    told.add_note(f"then sink {sink!r} failed closing: {type(exc).__name__}: {exc}")
