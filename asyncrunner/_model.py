@@ -178,6 +178,9 @@ class EpisodeFailed:
     step: int
     retrying: bool = False
     steps_lost: bool = False
+    # The exception itself, pickled in the worker when it could be (``compat.Runner`` raises it,
+    # as grid2op's Runner does); None for a worker that died, or an exception pickle refused.
+    exception: bytes | None = field(default=None, repr=False, compare=False)
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ from grid2op.Episode import CompactEpisodeData, EpisodeData
 from grid2op.Reward import BaseReward, L2RPNReward
 from grid2op.Runner import Runner as GridRunner
 
-from asyncrunner import compat
+from asyncrunner import EpisodeError, compat
 
 from .conftest import LightSimBackend, make_env
 from .helpers import SampleAgent, grid2ops, quiet
@@ -233,6 +233,35 @@ def test_the_constructor_has_grid2ops_signature(env: Any) -> None:
         assert set(runner._get_params()) <= set(parameters)
     finally:
         runner.close()
+
+
+class Refusal(Exception):
+    """An agent's own error, with what it holds."""
+
+    def __init__(self, message: str, step: int) -> None:
+        super().__init__(message, step)
+        self.step = step
+
+
+class RefusesAtStep3(BaseAgent):  # type: ignore[misc]  # grid2op is untyped
+    def act(self, observation: Any, reward: float, done: bool = False) -> Any:
+        if observation.current_step == 3:
+            raise Refusal("no action at step 3", observation.current_step)
+        return self.action_space({})
+
+
+@pytest.mark.parametrize("nb_process", [1, 2])
+def test_a_failed_episode_raises_its_own_exception_as_grid2op(env: Any, nb_process: int) -> None:
+    """grid2op's Runner raises the agent's (or env's) exception itself, multiprocessing's
+    pickled copy with several processes: ``except Refusal`` around ``run()`` catches it."""
+    raised = []
+    for make in (grid_runner, compat_runner):
+        runner = make(env, agentClass=RefusesAtStep3)
+        with pytest.raises(Refusal) as info:
+            quiet(runner.run, 2, nb_process=nb_process, max_iter=5)
+        raised.append((info.value.args, info.value.step))
+    assert raised[1] == raised[0] == (("no action at step 3", 3), 3)
+    assert isinstance(info.value.__cause__, EpisodeError)  # ours: the worker's traceback
 
 
 def test_float_episode_ids_play_as_grid2op_plays_them(env: Any) -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import os
+import pickle
 import time
 import traceback
 from concurrent.futures import ThreadPoolExecutor  # imported before any fork (see _layout)
@@ -167,6 +168,7 @@ def run_episode(job: EpisodeJob, slot: int = 0, slots: int = 1) -> str:
             message=str(exc),
             traceback=getattr(exc, "_ar_traceback", None) or traceback.format_exc(),
             step=getattr(exc, "_ar_step", step),
+            exception=_pickled(exc),
         )
         send(failure)
         return "failed"
@@ -259,6 +261,21 @@ def _play_on(job: EpisodeJob, env: Any, cached: _Cached, send: Any) -> int:
         _SPARE.append(keep.release())
     send(*last, finished)  # one write: one wake-up of the orchestrator
     return time_step
+
+
+# A failed episode's exception larger than this, pickled, is not sent (it holds an env...).
+_EXCEPTION_MAX_BYTES = 1 << 20
+
+
+def _pickled(exc: BaseException) -> bytes | None:
+    """``exc`` pickled as multiprocessing sends a worker's exception back, if it can be."""
+    if not isinstance(exc, Exception) or isinstance(exc, _CentralAgentFailed):
+        return None  # SystemExit and KeyboardInterrupt end the episode only (README)
+    try:
+        data = pickle.dumps(exc, protocol=4)
+    except Exception:
+        return None
+    return data if len(data) <= _EXCEPTION_MAX_BYTES else None
 
 
 # The arrays of this process's last saved episodes (one per episode played at once), for the

@@ -4,13 +4,15 @@ on the runner's pool, and its results grid2op's tuples."""
 from __future__ import annotations
 
 import os
+import pickle
 from typing import Any
 
 import numpy as np
 from grid2op.Exceptions import EnvError
 
 from .._engine._recipe import env_key
-from .._model import EpisodeResult
+from .._exceptions import EpisodeError
+from .._model import EpisodeFailed, EpisodeResult
 from .._runner import AsyncRunner
 from ..sinks._base import Sink
 from ._rules import (
@@ -136,6 +138,23 @@ def call(
             runner._ar_session = session
     try:
         return session.run(core, kwargs)
+    except EpisodeError as exc:
+        original = _original(exc.failure)
+        if original is None:
+            raise
+        raise original from exc  # as multiprocessing raises a worker's, its traceback the cause
     finally:
         if not keep:
             session.close()
+
+
+def _original(failure: EpisodeFailed) -> Exception | None:
+    """The exception that failed the episode, as grid2op's Runner raises it (None if it did not
+    come back from the worker, or cannot be unpickled here)."""
+    if failure.exception is None:
+        return None
+    try:
+        original = pickle.loads(failure.exception)
+    except Exception:
+        return None
+    return original if isinstance(original, Exception) else None

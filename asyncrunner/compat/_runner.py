@@ -44,8 +44,10 @@ Where it differs from grid2op's Runner:
   own code (with a warning). So does, as in grid2op and without a warning, an agent instance
   that ``copy.copy`` cannot copy, and ``nb_process > 1`` with ``GRID2OP_RUNNER_FORCE_SEQUENTIAL``
   set to an integer > 0.
-- A failed episode raises ``asyncrunner.EpisodeError`` (with the worker's traceback) rather than
-  the agent's or env's own exception.
+- A failed episode raises the agent's or env's own exception, as grid2op's Runner does (a copy
+  pickled in the worker, as multiprocessing's), caused by an ``asyncrunner.EpisodeError`` that
+  holds the worker's traceback; the ``EpisodeError`` itself when the exception cannot be
+  pickled (or unpickled here).
 - ``mp_context`` is not used: workers are asyncrunner's (forked on Linux, fresh interpreters
   elsewhere), whatever the context asked.
 """
