@@ -25,8 +25,6 @@ import pytest
 from grid2op.Action import PowerlineSetAction
 from grid2op.Agent import BaseAgent, DoNothingAgent, RandomAgent
 from grid2op.Chronics import MultifolderWithCache
-from grid2op.Environment.dispatch import BaseRedispatchSolver, RedispatchResult
-from grid2op.Exceptions import ImpossibleRedispatching
 from grid2op.Opponent import BaseActionBudget, BaseOpponent
 from grid2op.Reward import BaseReward
 from grid2op.Rules import BaseRules
@@ -567,11 +565,16 @@ class RedispatchingAgent(BaseAgent):  # type: ignore[misc]  # grid2op is untyped
 
 
 def test_redispatch_solver_argument_reaches_the_workers(env: Any) -> None:
-    class NeverSolves(BaseRedispatchSolver):  # type: ignore[misc]  # grid2op is untyped
+    # grid2op 1.12.6 added redispatch solvers
+    dispatch: Any = pytest.importorskip("grid2op.Environment.dispatch")
+    from grid2op.Exceptions import ImpossibleRedispatching
+
+    class NeverSolves(dispatch.BaseRedispatchSolver):  # type: ignore[misc]  # grid2op is untyped
         """Finds no dispatch: the first redispatching ends the episode (a game over)."""
 
         def solve(self, constraints: Any, state: Any) -> Any:
-            return RedispatchResult.failed(ImpossibleRedispatching("no dispatch, on purpose"))
+            failed = ImpossibleRedispatching("no dispatch, on purpose")
+            return dispatch.RedispatchResult.failed(failed)
 
     params = {
         **env.get_params_for_runner(),

@@ -242,7 +242,7 @@ def test_score_refusals_are_one_line_before_any_episode(
     # grid2op's class refuses the env (no alarms on l2rpn_case14_sandbox).
     _usage_error(
         [*score, "--competition", "icaps_2021", "--cache-dir", str(tmp_path / "cache")],
-        'icaps_2021 on this env: Grid2OpException RewardException "Impossible to use the',
+        "icaps_2021 on this env: Grid2OpException",  # then grid2op's words (they vary)
         capsys,
         prog="score",
     )
