@@ -178,8 +178,8 @@ class EpisodeFailed:
     step: int
     retrying: bool = False
     steps_lost: bool = False
-    # The exception itself, pickled in the worker when it could be (``compat.Runner`` raises it,
-    # as grid2op's Runner does); None for a worker that died, or an exception pickle refused.
+    # The exception itself, pickled in the worker when it could be, for ``compat.Runner`` (which
+    # raises it, as grid2op's Runner does); None otherwise.
     exception: bytes | None = field(default=None, repr=False, compare=False)
 
 

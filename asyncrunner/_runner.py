@@ -175,6 +175,8 @@ class AsyncRunner(AsyncResource):
         # every episode). compat turns it off where grid2op's Runner records nothing (several
         # processes, nothing saved or detailed); workers that fill rows record anyway (Batcher).
         self._record_steps = True
+        # Whether a failed episode's exception comes back (``EpisodeFailed.exception``): compat's.
+        self._send_exceptions = False
 
     # --- the pool ------------------------------------------------------------------------------
 
@@ -338,6 +340,7 @@ class AsyncRunner(AsyncResource):
             spaces=await self._spaces() if detail or files else {},
             files=files,
             record=self._record_steps,
+            exceptions=self._send_exceptions,
         )
         return Run(self._get_pool(), requests, settings, skipped=skipped)
 

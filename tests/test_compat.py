@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import anyio
 import grid2op
 import numpy as np
 import pytest
@@ -23,7 +24,7 @@ from grid2op.Episode import CompactEpisodeData, EpisodeData
 from grid2op.Reward import BaseReward, L2RPNReward
 from grid2op.Runner import Runner as GridRunner
 
-from asyncrunner import EpisodeError, compat
+from asyncrunner import AsyncRunner, EpisodeError, compat
 
 from .conftest import LightSimBackend, make_env
 from .helpers import SampleAgent, grid2ops, quiet
@@ -262,6 +263,29 @@ def test_a_failed_episode_raises_its_own_exception_as_grid2op(env: Any, nb_proce
         raised.append((info.value.args, info.value.step))
     assert raised[1] == raised[0] == (("no action at step 3", 3), 3)
     assert isinstance(info.value.__cause__, EpisodeError)  # ours: the worker's traceback
+
+
+def test_an_exception_of_a_class_sent_by_value_comes_back_as_that_class(env: Any) -> None:
+    """Classes defined in a function travel by value (cloudpickle): their exceptions too.
+    AsyncRunner's own results do not carry the exception (only compat asks for it)."""
+
+    class LocalRefusal(Exception):
+        pass
+
+    class Refuses(BaseAgent):  # type: ignore[misc]  # grid2op is untyped
+        def act(self, observation: Any, reward: float, done: bool = False) -> Any:
+            raise LocalRefusal("no")
+
+    with pytest.raises(LocalRefusal, match="no"):
+        quiet(compat_runner(env, agentClass=Refuses).run, 1, nb_process=2, max_iter=3)
+
+    async def main() -> list[Any]:
+        async with AsyncRunner(env, agent=Refuses, workers=1) as runner:
+            return await runner.run(1, max_iter=3, on_error="continue")
+
+    (result,) = anyio.run(main)
+    assert result.error is not None and result.error.error_type == "LocalRefusal"
+    assert result.error.exception is None
 
 
 def test_float_episode_ids_play_as_grid2op_plays_them(env: Any) -> None:

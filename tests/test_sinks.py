@@ -30,7 +30,7 @@ from asyncrunner import (
     SinkError,
     StepBatch,
 )
-from asyncrunner._engine import _channel
+from asyncrunner._engine import _channel, _dispatch
 from asyncrunner._engine._dispatch import SINK_BUFFER
 from asyncrunner.sinks import CallbackSink, EpisodeDataWriter, LoggingSink, ProgressBar, Sink
 
@@ -428,6 +428,34 @@ async def test_a_failing_sink_leaves_the_other_sinks_their_events(env: Any, tmp_
     saved = {r.index: r.path for r in info.value.results if r.path is not None}
     assert saved == writer.paths
     assert all([await anyio.Path(p, "episode_meta.json").is_file() for p in saved.values()])
+
+
+class FailsOnFirstEnd(FailsOnSecondEnd):
+    async def send(self, event: Event) -> None:
+        if isinstance(event, EpisodeFinished):
+            raise ValueError("boom on the first end")
+
+
+class Stuck(Sink):
+    """Never gets past the first episode end (a connection that hangs)."""
+
+    async def send(self, event: Event) -> None:
+        if isinstance(event, EpisodeFinished):
+            await anyio.sleep_forever()
+
+
+async def test_a_sink_failure_is_told_though_another_sink_is_stuck(
+    env: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The other sinks get a grace to finish their events; a caller giving up meanwhile (a
+    timeout, a request gone) gets the sink's failure, not a bare cancellation."""
+    async with AsyncRunner(env, agent=DoNothingAgent, workers=2) as runner:
+        await runner.run(1, max_iter=2)  # workers up: the failure comes well within 5 s
+        with pytest.raises(SinkError, match="first end"), anyio.fail_after(5):
+            await runner.run(2, max_iter=3, sinks=[FailsOnFirstEnd(), Stuck()])
+        monkeypatch.setattr(_dispatch, "SINK_DRAIN_GRACE", 0.5)
+        with anyio.fail_after(TIMEOUT), pytest.raises(SinkError, match="first end"):
+            await runner.run(2, max_iter=3, sinks=[FailsOnFirstEnd(), Stuck()])
 
 
 async def test_a_sink_failing_to_close_fails_the_run_with_sink_error_and_results(

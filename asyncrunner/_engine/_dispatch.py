@@ -46,6 +46,9 @@ __all__ = ["Run", "RunSettings"]
 
 # Events a sink may have waiting before the run waits for it (backpressure).
 SINK_BUFFER = 32
+# Seconds the other sinks get to finish their events once one failed (a sink stuck in its
+# ``send`` would otherwise hold the failure back for ever).
+SINK_DRAIN_GRACE = 30.0
 
 
 @dataclass(frozen=True)
@@ -56,7 +59,8 @@ class RunSettings:
     agent's recorded name; ``central``: the ``CentralAgent`` serving the workers, if any;
     ``env_for(mix)``: the parent's env of a mix; ``spaces``: ``RunStarted.spaces``; ``detail``:
     whether the workers send the steps' arrays; ``files``: the episode file formats they build
-    (``Sink.episode_format``); ``record``: whether the workers read each step's agent's action
+    (``Sink.episode_format``); ``exceptions``: whether a failure's exception comes back pickled
+    (``EpisodeFailed.exception``); ``record``: whether the workers read each step's agent's action
     and opponent's attack with grid2op's ``to_vect``, as grid2op's Runner does whenever it
     records an episode (``EpisodeData.incr_store``): that call builds the attributes
     an action builds on first read, and an action read so plays differently afterwards on some
@@ -76,6 +80,7 @@ class RunSettings:
     spaces: Mapping[str, Any]
     files: tuple[str, ...] = ()
     record: bool = True
+    exceptions: bool = False
 
 
 class Run:
@@ -125,6 +130,12 @@ class Run:
         # events they were given (a writer saves the episodes it got), then close.
         sink_errors: list[SinkError] = []
         playing = anyio.CancelScope()
+
+        def stop_for_sink() -> None:
+            playing.cancel()
+            scope = sink_group.cancel_scope
+            scope.deadline = min(scope.deadline, anyio.current_time() + SINK_DRAIN_GRACE)
+
         async with (
             open_channel(listen=self.pool.listen) as channel,
             serving(self.settings.central, channel, self._env_of) as self._agent,
@@ -132,26 +143,35 @@ class Run:
             channel.pids = self.pool.served  # the workers say who they are when they connect
             channel.recipes = dict(self.settings.recipes.values())
             try:
-                async with anyio.create_task_group() as sink_group:
-                    for sink in self.sinks:
-                        send, receive = anyio.create_memory_object_stream[Event](SINK_BUFFER)
-                        sink_sends.append(send)
-                        sink_group.start_soon(_consume, sink, receive, sink_errors, playing)
-                    targets = [
-                        (send, sink.episode_format is not None)
-                        for send, sink in zip(sink_sends, self.sinks, strict=True)
-                    ]
-                    if out is not None:
-                        targets.append((out, False))
-                    emit = _fan_out(targets)
-                    with playing:
-                        self._stages = await self._make_stages()
-                        agent, spaces = self.settings.agent, self.settings.spaces
-                        await emit(RunStarted(self.run_id, len(self.requests), spaces, agent))
-                        await self._dispatch_and_collect(channel, emit)
-                        await emit(RunFinished(self.run_id, tuple(self._ordered())))
-                    for send in sink_sends:
-                        await send.aclose()
+                try:
+                    async with anyio.create_task_group() as sink_group:
+                        for sink in self.sinks:
+                            send, receive = anyio.create_memory_object_stream[Event](SINK_BUFFER)
+                            sink_sends.append(send)
+                            sink_group.start_soon(
+                                _consume, sink, receive, sink_errors, stop_for_sink
+                            )
+                        targets = [
+                            (send, sink.episode_format is not None)
+                            for send, sink in zip(sink_sends, self.sinks, strict=True)
+                        ]
+                        if out is not None:
+                            targets.append((out, False))
+                        emit = _fan_out(targets)
+                        with playing:
+                            self._stages = await self._make_stages()
+                            agent, spaces = self.settings.agent, self.settings.spaces
+                            await emit(RunStarted(self.run_id, len(self.requests), spaces, agent))
+                            await self._dispatch_and_collect(channel, emit)
+                            await emit(RunFinished(self.run_id, tuple(self._ordered())))
+                        for send in sink_sends:
+                            await send.aclose()
+                except anyio.get_cancelled_exc_class():
+                    # Cancelled (a timeout, a stream left) while the other sinks drained: the
+                    # sink's failure came first, and is what the caller needs to know.
+                    if sink_errors:
+                        raise sink_errors[0] from None
+                    raise
                 if sink_errors:
                     raise sink_errors[0]
             except* SinkError as failed:
@@ -344,6 +364,7 @@ class Run:
             reset_options=request.reset_options,
             detail=self.detail,
             record=self.settings.record,
+            exceptions=self.settings.exceptions,
             files=self.settings.files,
             stages={
                 f: stage for (f, mix), stage in self._stages.items() if mix in (None, request.mix)
@@ -506,11 +527,11 @@ async def _consume(
     sink: Sink,
     receive: MemoryObjectReceiveStream[Event],
     errors: list[SinkError],
-    playing: anyio.CancelScope,
+    stop: Callable[[], None],
 ) -> None:
     """Hand ``sink`` its events, then close it. Its failure is added to ``errors`` and stops
-    the run (``playing``); the events still coming are then dropped, so that the run never
-    waits for it."""
+    the run (``stop``); the events still coming are then dropped, so that the run never waits
+    for it."""
     first: BaseException | None = None
     failed: SinkError | None = None
     try:
@@ -530,7 +551,7 @@ async def _consume(
                     )
                     failed.__cause__ = exc
                     errors.append(failed)
-                    playing.cancel()
+                    stop()
     except BaseException as exc:  # the cancellation to pass on
         first = exc
         raise

@@ -69,6 +69,8 @@ class EpisodeJob:
     # Each step's actions read with grid2op's ``to_vect``, as grid2op's Runner reads them when it
     # records an episode (``RunSettings.record``).
     record: bool = True
+    # A failure's exception sent pickled (``EpisodeFailed.exception``): compat.Runner raises it.
+    exceptions: bool = False
     files: tuple[str, ...] = ()  # the episode file formats to build (``sinks._files``)
     stages: Mapping[str, str] = field(default_factory=dict)  # where to write them, by format
     agent: str | None = None  # the run's agent, recorded with the saved episodes

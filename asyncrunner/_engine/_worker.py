@@ -15,12 +15,12 @@ from __future__ import annotations
 import copy
 import dataclasses
 import os
-import pickle
 import time
 import traceback
 from concurrent.futures import ThreadPoolExecutor  # imported before any fork (see _layout)
 from typing import Any
 
+import cloudpickle
 import numpy as np
 
 from .._model import EpisodeFailed, EpisodeFinished, EpisodeStarted
@@ -168,7 +168,7 @@ def run_episode(job: EpisodeJob, slot: int = 0, slots: int = 1) -> str:
             message=str(exc),
             traceback=getattr(exc, "_ar_traceback", None) or traceback.format_exc(),
             step=getattr(exc, "_ar_step", step),
-            exception=_pickled(exc),
+            exception=_pickled(exc) if job.exceptions else None,
         )
         send(failure)
         return "failed"
@@ -268,11 +268,12 @@ _EXCEPTION_MAX_BYTES = 1 << 20
 
 
 def _pickled(exc: BaseException) -> bytes | None:
-    """``exc`` pickled as multiprocessing sends a worker's exception back, if it can be."""
+    """``exc`` pickled as multiprocessing sends a worker's exception back, if it can be (by
+    value where its class was sent so: the caller gets its own class back)."""
     if not isinstance(exc, Exception) or isinstance(exc, _CentralAgentFailed):
         return None  # SystemExit and KeyboardInterrupt end the episode only (README)
     try:
-        data = pickle.dumps(exc, protocol=4)
+        data: bytes = cloudpickle.dumps(exc, protocol=4)
     except Exception:
         return None
     return data if len(data) <= _EXCEPTION_MAX_BYTES else None

@@ -127,6 +127,7 @@ def call(
     workers = nb_process if keep else min(nb_process, nb_episode)
     core = AsyncRunner(view, agent=agent, workers=workers)
     core._record_steps = record
+    core._send_exceptions = True  # raised as grid2op's Runner raises them (below)
     if runner._ar_env_key == env_key(view):
         # The env grid2op's constructor built from these very parameters, never played: the
         # pristine env forked workers start with, rather than a second build here.
