@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -21,9 +22,10 @@ from grid2op.Agent import BaseAgent, DoNothingAgent, RandomAgent
 from asyncrunner import AsyncRunner, EpisodeFailed, EpisodeStarted, StepBatch
 from asyncrunner.sinks import CallbackSink
 
-from .helpers import children, starts
+from .helpers import BOTH_LOOPS, children, starts
 
 distributed = pytest.importorskip("distributed")
+dask = pytest.importorskip("dask")
 
 pytestmark = [pytest.mark.anyio, pytest.mark.slow]  # Dask clusters and their processes
 
@@ -256,9 +258,17 @@ async def test_cancelling_a_run_stops_the_cluster_work(env: Any, cluster: Any) -
     assert results[0].nb_time_step == 5
 
 
+@dataclass
+class Commands:
+    """A cluster started with Dask's own commands: its scheduler's address and process."""
+
+    address: str
+    scheduler: subprocess.Popen[bytes]
+
+
 @pytest.fixture
-def dask_commands(tmp_path: Path) -> Iterator[str]:
-    """A scheduler and two workers started with Dask's own commands; yields the address."""
+def dask_commands(tmp_path: Path) -> Iterator[Commands]:
+    """A scheduler and two workers started with Dask's own commands."""
     # This interpreter's own, first: a venv's python run without activating the venv would
     # otherwise start another Python's dask command (on PATH) with this one's packages.
     here = os.path.dirname(sys.executable)
@@ -285,7 +295,7 @@ def dask_commands(tmp_path: Path) -> Iterator[str]:
         worker = [dask, "worker", address, "--nthreads", "1", "--host", "127.0.0.1"]
         for _ in range(2):
             procs.append(subprocess.Popen([*worker, "--no-dashboard"], **quiet))
-        yield address
+        yield Commands(address, procs[0])
     finally:
         for proc in reversed(procs):
             proc.terminate()
@@ -298,15 +308,38 @@ def dask_commands(tmp_path: Path) -> Iterator[str]:
 
 
 async def test_scheduler_and_workers_started_with_dask_commands(
-    env: Any, dask_commands: str
+    env: Any, dask_commands: Commands
 ) -> None:
     from asyncrunner.dask import DaskExecutor
 
     # The scheduler's address, and the channel on TCP as for workers on other machines.
-    executor = DaskExecutor(dask_commands, listen="tcp://127.0.0.1:0")
+    executor = DaskExecutor(dask_commands.address, listen="tcp://127.0.0.1:0")
     async with AsyncRunner(env, agent=DoNothingAgent, workers=2, executor=executor) as runner:
         results = await runner.run(nb_episode=2, max_iter=10, episode_id=[0, 1])
     assert [(r.name, r.nb_time_step, r.error) for r in results] == [
         ("0000", 10, None),
         ("0001", 10, None),
     ]
+
+
+@BOTH_LOOPS  # an asynchronous client's futures on asyncio, a synchronous one's under trio
+async def test_a_run_whose_scheduler_dies_ends_saying_so(env: Any, dask_commands: Commands) -> None:
+    def kill_the_scheduler(event: Any) -> None:
+        if isinstance(event, StepBatch) and dask_commands.scheduler.poll() is None:
+            dask_commands.scheduler.kill()
+
+    # The client gives up reconnecting after this (30 s by default) and closes: the episodes
+    # handed to it meanwhile or after stayed pending for ever, and so did the run.
+    with dask.config.set({"distributed.comm.timeouts.connect": "3s"}):
+        async with AsyncRunner(
+            env, agent=Slower, workers=2, executor=dask_commands.address
+        ) as runner:
+            with anyio.fail_after(60):
+                results = await runner.run(
+                    nb_episode=4, on_error="continue", sinks=[CallbackSink(kill_the_scheduler)]
+                )
+    assert dask_commands.scheduler.poll() is not None
+    assert [r.error is not None for r in results] == [True] * 4
+    errors = [r.error for r in results if r.error is not None]
+    assert {e.error_type for e in errors} == {"SchedulerLost"}
+    assert "the Dask client closed (it lost its scheduler" in errors[0].message

@@ -21,6 +21,7 @@ client's are waited for in a thread, which works under asyncio and trio.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import ipaddress
 import math
 import socket
@@ -41,11 +42,28 @@ __all__ = ["DaskExecutor", "DaskPool", "WorkerLost", "as_dask"]
 T = TypeVar("T")
 
 _LOST = "lost"
+# Seconds between two looks at whether the client still has its scheduler, while a task runs.
+_WATCH = 1.0
 
 
 class WorkerLost(Exception):
     """The Dask worker playing an attempt died (Dask re-ran the task; we retry instead), or Dask
     cancelled the task (``client.restart()``)."""
+
+
+class SchedulerLost(Exception):
+    """The Dask client closed (it lost its scheduler and failed to reconnect, or was closed):
+    its futures would never end."""
+
+
+def _check_client(client: Any) -> None:
+    if client.status in ("closing", "closed"):
+        where = getattr(getattr(client, "scheduler", None), "address", None)  # None once closed
+        raise SchedulerLost(
+            f"the Dask client closed (it lost its scheduler{f' at {where}' if where else ''}, or "
+            "was closed): this episode's result is lost; start the scheduler again (or pass an "
+            "open client) and run again (resume=True keeps the episodes saved so far)"
+        )
 
 
 def _dask_episode(job: EpisodeJob) -> str:
@@ -221,23 +239,32 @@ class DaskExecutor:
                 "an asynchronous Dask client lives on an asyncio loop: under trio, pass a "
                 "synchronous Client or the scheduler's address"
             )
+        _check_client(client)
         future = client.submit(task, *args, pure=False, key=key, retries=0)
         done = False
         try:
+            # Dask leaves the future pending for ever when the client loses its scheduler:
+            # look at the client now and then while waiting.
             if client.asynchronous:
-                result = await future
+                while True:
+                    with anyio.move_on_after(_WATCH):
+                        result = await future
+                        break
+                    _check_client(client)
             else:
                 # A thread per episode playing, not from anyio's default pool: the sinks need
                 # that one to finish (the runner bounds how many episodes play).
                 if self._waits is None:
                     self._waits = anyio.CapacityLimiter(math.inf)
                 result = await anyio.to_thread.run_sync(
-                    future.result, abandon_on_cancel=True, limiter=self._waits
+                    _wait, client, future, abandon_on_cancel=True, limiter=self._waits
                 )
             done = True
         except concurrent.futures.CancelledError as exc:
             # Not ours (the loop cancels this task, not the future): Dask cancelled it, as
-            # ``client.restart()`` cancels every task and restarts the workers.
+            # ``client.restart()`` cancels every task and restarts the workers; so does a client
+            # losing its scheduler, and one giving up reconnecting.
+            _check_client(client)
             raise WorkerLost(f"Dask cancelled the task: {exc}") from exc
         finally:
             if not done:
@@ -246,10 +273,13 @@ class DaskExecutor:
                         channel = _channel.listening(claim[0])
                         if channel is not None:
                             channel.drop(claim[1])
-                    if client.asynchronous:
-                        await client.cancel([future])
-                    else:
-                        await anyio.to_thread.run_sync(future.cancel)
+                    # A closed client cannot cancel ("Client is closed"): the error that ended
+                    # the wait is the one to tell.
+                    with contextlib.suppress(Exception):
+                        if client.asynchronous:
+                            await client.cancel([future])
+                        else:
+                            await anyio.to_thread.run_sync(future.cancel)
         return result
 
     async def aclose(self) -> None:
@@ -266,6 +296,18 @@ class DaskExecutor:
                     await thing.close()
                 else:
                     await anyio.to_thread.run_sync(thing.close)
+
+
+def _wait(client: Any, future: Any) -> Any:
+    """``future.result()`` of a synchronous client, in a thread; ``SchedulerLost`` once the client
+    closed."""
+    while True:
+        try:
+            return future.result(timeout=_WATCH)
+        except TimeoutError:
+            if future.done():
+                raise  # the task's own
+            _check_client(client)
 
 
 def _on_asyncio() -> bool:
