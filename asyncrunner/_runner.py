@@ -141,7 +141,8 @@ class AsyncRunner(AsyncResource):
         sources: dict[str | None, Any] = {None: env}
         if self._mixes is not None:
             sources = dict(self._mixes.items())
-        self._recipes = recipes(sources, agent, kind, payload)
+        # A Dask worker's ``__main__`` is Dask's command: it gets this script's classes by value.
+        self._recipes = recipes(sources, agent, kind, payload, main_by_value=self._dask is not None)
         # The first (or only) recipe: the env the workers build while warming up.
         self._recipe_key, self._recipe_bytes = next(iter(self._recipes.values()))
         self._first_env = next(iter(sources.values()))  # that recipe's env (copy_env)

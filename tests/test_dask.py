@@ -343,3 +343,52 @@ async def test_a_run_whose_scheduler_dies_ends_saying_so(env: Any, dask_commands
     errors = [r.error for r in results if r.error is not None]
     assert {e.error_type for e in errors} == {"SchedulerLost"}
     assert "the Dask client closed (it lost its scheduler" in errors[0].message
+
+
+SCRIPT = """
+import asyncio, json, sys, warnings
+warnings.filterwarnings("ignore")
+import grid2op
+from grid2op.Agent import RandomAgent
+from grid2op.Reward import L2RPNReward
+from grid2op.Runner import Runner
+from asyncrunner import AsyncRunner
+
+class MyReward(L2RPNReward):
+    def __call__(self, action, env, has_error, is_done, is_illegal, is_ambiguous):
+        return 2.0 * super().__call__(action, env, has_error, is_done, is_illegal, is_ambiguous)
+
+class MyAgent(RandomAgent):
+    pass
+
+KWARGS = dict(max_iter=10, episode_id=[0, 1], env_seeds=[1, 2], agent_seeds=[3, 4])
+
+async def main():
+    env = grid2op.make("l2rpn_case14_sandbox", test=True, reward_class=MyReward)
+    async with AsyncRunner(env, agent=MyAgent, workers=2, executor=sys.argv[1]) as runner:
+        results = await runner.run(nb_episode=2, **KWARGS)
+    mine = [[r.error and r.error.message, r.cum_reward, r.nb_time_step] for r in results]
+    theirs = Runner(**env.get_params_for_runner(), agentClass=MyAgent).run(nb_episode=2, **KWARGS)
+    print(json.dumps([mine, [[None, float(r[2]), int(r[3])] for r in theirs]]))
+
+asyncio.run(main())
+"""
+
+
+def test_an_agent_and_reward_defined_in_the_script_play_on_dask_workers(
+    dask_commands: Commands, tmp_path: Path
+) -> None:
+    """A Dask worker's ``__main__`` is Dask's command: it cannot import the script's classes (every
+    episode failed with "Can't get attribute 'MyAgent' on <module '__mp_main__'>")."""
+    script = tmp_path / "evaluate.py"
+    script.write_text(SCRIPT)
+    done = subprocess.run(
+        [sys.executable, str(script), dask_commands.address],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    mine, theirs = json.loads(done.stdout.splitlines()[-1])
+    assert mine == theirs

@@ -116,14 +116,18 @@ class _ByValuePickler(cloudpickle.Pickler):  # type: ignore[misc]  # cloudpickle
         return _grid_reduce(obj) or super().reducer_override(obj)
 
 
-def dumps(obj: Any) -> bytes:
+def dumps(obj: Any, *, main_by_value: bool = False) -> bytes:
     """``pickle.dumps`` for what goes to workers; ``pickle.loads`` reads it.
 
     What a worker cannot import (a class or function defined in a function, a lambda) goes by
     value (cloudpickle), as grid2op's forked processes simply inherit it. Plain pickle comes
     first: cloudpickle would also send ``__main__``'s classes by value, with the globals their
-    methods use (a model the script loaded, that may not pickle), which workers already have.
+    methods use (a model the script loaded, that may not pickle), which workers forked or spawned
+    from this process already have. ``main_by_value``: workers that do not (a Dask worker's
+    ``__main__`` is Dask's command) get them by value, cloudpickle first.
     """
+    if main_by_value:
+        return _dump(_ByValuePickler, obj)
     try:
         return _dump(_GridPickler, obj)
     except Exception:
@@ -234,19 +238,33 @@ def env_key(source: Any) -> str:
 
 
 def recipes(
-    sources: Mapping[str | None, Any], agent: Any, kind: str, payload: Any
+    sources: Mapping[str | None, Any],
+    agent: Any,
+    kind: str,
+    payload: Any,
+    *,
+    main_by_value: bool = False,
 ) -> dict[str | None, tuple[str, bytes]]:
-    """Each mix's recipe, pickled: ``(key, bytes)``; what cannot be sent to workers raises here."""
+    """Each mix's recipe, pickled: ``(key, bytes)``; what cannot be sent to workers raises here.
+
+    ``main_by_value``: for workers that cannot import this script's ``__main__`` (``dumps``).
+    """
     made: dict[str | None, tuple[str, bytes]] = {}
     for mix, source in sources.items():
         params, classes, key = _env_part(source)
         recipe = Recipe(params, kind, payload, classes, key)
         try:
-            blob = dumps(recipe)
+            blob = dumps(recipe, main_by_value=main_by_value)
         except Exception as exc:
+            where = (
+                " (Dask workers get what this script defines by value: move what does not "
+                "pickle into a module installed on the workers)"
+                if main_by_value
+                else ""
+            )
             raise TypeError(
                 f"the agent {agent!r} cannot be sent to worker processes because it cannot be "
-                f"pickled ({type(exc).__name__}: {exc}); pass its class, or a factory "
+                f"pickled ({type(exc).__name__}: {exc}){where}; pass its class, or a factory "
                 "(action_space) -> agent"
             ) from exc
         made[mix] = (hashlib.blake2b(blob, digest_size=16).hexdigest(), blob)
