@@ -6,6 +6,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -392,3 +393,19 @@ def test_an_agent_and_reward_defined_in_the_script_play_on_dask_workers(
     assert done.returncode == 0, done.stderr[-3000:]
     mine, theirs = json.loads(done.stdout.splitlines()[-1])
     assert mine == theirs
+
+
+async def test_a_scheduler_address_nothing_answers_at_fails_at_open(env: Any) -> None:
+    """Dask retries a refused connection until its timeout (30 s), at every call: the run then
+    failed after 91 s, each episode with "Timed out trying to connect"."""
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        address = f"tcp://127.0.0.1:{free.getsockname()[1]}"  # closed again: nothing listens
+    runner = AsyncRunner(env, agent=DoNothingAgent, workers=1, executor=address)
+    with anyio.fail_after(20), pytest.raises(ConnectionError, match="no Dask scheduler reachable"):
+        async with runner:
+            pass
+    with pytest.raises(
+        ConnectionError, match=r"no Dask scheduler reachable at tcp://nowhere\.invalid"
+    ):
+        AsyncRunner(env, agent=DoNothingAgent, workers=1, executor="tcp://nowhere.invalid:8786")

@@ -4,7 +4,6 @@ before any worker starts."""
 from __future__ import annotations
 
 import argparse
-import socket
 import sys
 import time
 from typing import Any
@@ -18,6 +17,7 @@ from .._model import (
     Event,
     RunStarted,
 )
+from .._pools._dask import unreachable
 from ..sinks import Sink
 from ._common import DEFAULT_ENV, UsageError, derive_seeds, load_agent, make_env
 
@@ -146,21 +146,12 @@ def _swallowed_env_hint(args: argparse.Namespace, names: list[str] | None) -> st
 
 def _check_scheduler(address: str) -> None:
     """Fail fast when nothing listens at a TCP scheduler address (Dask would wait for minutes)."""
-    scheme, _, rest = address.rpartition("://")
-    if scheme not in ("", "tcp"):
-        return  # tls://, ws://, ...: left to Dask
-    host, sep, port = rest.rpartition(":")
-    if not sep:
-        host, port = rest, "8786"
-    try:
-        with socket.create_connection((host.strip("[]"), int(port)), timeout=5):
-            pass
-    except (OSError, ValueError) as exc:
-        reason = getattr(exc, "strerror", None) or str(exc) or type(exc).__name__
+    reason = unreachable(address)
+    if reason is not None:
         raise UsageError(
             f"--scheduler {address}: no Dask scheduler reachable there ({reason}); start one "
             "with `dask scheduler`, or use --dask-local N"
-        ) from None
+        )
 
 
 class _Tracker(Sink):

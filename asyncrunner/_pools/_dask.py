@@ -111,6 +111,23 @@ def default_listen(scheduler: str) -> str | None:
     return f"tcp://[{mine}]:0" if ":" in mine else f"tcp://{mine}:0"
 
 
+def unreachable(address: str) -> str | None:
+    """Why no Dask scheduler can answer at ``address`` (nothing listens there, no such host), or
+    None: something listens, or the scheme is not TCP (left to Dask). Dask's client would retry
+    until its connect timeout (30 s), at every call."""
+    scheme, _, rest = address.rpartition("://")
+    if scheme not in ("", "tcp"):
+        return None
+    host, sep, port = rest.rpartition(":")
+    if not sep:
+        host, port = rest, "8786"
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=5):
+            return None
+    except (OSError, ValueError) as exc:
+        return getattr(exc, "strerror", None) or str(exc) or type(exc).__name__
+
+
 class DaskExecutor:
     """Runs episodes as tasks of a Dask cluster.
 
@@ -158,11 +175,28 @@ class DaskExecutor:
             raise ValueError("the Dask client is closed: pass an open one (or its address)")
         self._lock: anyio.Lock | None = None
         self._waits: anyio.CapacityLimiter | None = None
+        self._unreachable: str | None = None  # why the scheduler at the address did not answer
         if listen is None and isinstance(client, str):
-            listen = default_listen(client if "://" in client else f"tcp://{client}")
+            try:
+                listen = default_listen(client if "://" in client else f"tcp://{client}")
+            except OSError as exc:  # no such host, no route
+                raise ConnectionError(self._no_scheduler(exc.strerror or str(exc))) from None
         elif listen is None and self._client is not None:
             listen = default_listen(str(self._client.scheduler.address))
         self.listen = listen
+
+    def _no_scheduler(self, reason: str) -> str:
+        return (
+            f"no Dask scheduler reachable at {self._given} ({reason}): start one with `dask "
+            "scheduler`, or pass the address it prints"
+        )
+
+    async def connect(self) -> None:
+        """Connect to the scheduler at the address given (a client or a local cluster: nothing to
+        do): ``ConnectionError`` now when nothing answers there, not every episode failing after
+        Dask's timeouts."""
+        if isinstance(self._given, str):
+            await self._get_client()
 
     async def _get_client(self) -> Any:
         if self._client is not None:
@@ -172,6 +206,10 @@ class DaskExecutor:
         async with self._lock:
             if self._client is not None:
                 return self._client
+            if isinstance(self._given, str) and self._unreachable is None:
+                self._unreachable = await anyio.to_thread.run_sync(unreachable, self._given) or ""
+            if self._unreachable:
+                raise ConnectionError(self._no_scheduler(self._unreachable))
             import distributed
 
             dist: Any = distributed  # untyped calls
@@ -341,6 +379,10 @@ class DaskPool(WorkerPool):
         self.dask = dask
         self.listen = dask.listen
         self.died = (KilledWorker, WorkerLost)
+
+    async def warm_up(self, count: int, fn: Callable[..., int], *args: Any) -> None:
+        await self.dask.connect()  # a scheduler address nothing answers at: the runner won't open
+        await super().warm_up(count, fn, *args)
 
     async def submit(self, fn: Callable[..., T], *args: Any) -> T:
         async with self.limiter:
