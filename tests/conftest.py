@@ -3,6 +3,7 @@ from __future__ import annotations
 import hashlib
 import importlib.metadata
 import inspect
+import os
 import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -131,6 +132,9 @@ def grid2op_reference(request: pytest.FixtureRequest) -> Callable[..., list[tupl
             (
                 _versions(),
                 env.env_name,
+                # the Runner's first field is the chronic's absolute path: a cache written by
+                # another venv (another Python, tox/nox) holds another path
+                os.path.realpath(env.get_path_env()),
                 type(env.backend).__name__,
                 env._rewardClass,
                 env.get_thermal_limit().tolist(),

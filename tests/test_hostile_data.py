@@ -241,6 +241,9 @@ async def test_a_killed_runs_temporary_folder_is_removed_not_a_live_ones(
     script = tmp_path / "stuck.py"
     script.write_text(textwrap.dedent(_BLOCKED_RUN))
     folder = tmp_path / "runs"
+    # Both workers forked first: a worker forked while another thread is inside Popen inherits
+    # the pipe Popen waits on for the exec, and Popen then waits as long as the worker lives.
+    await runner.run(2, max_iter=1)
     killed = await anyio.to_thread.run_sync(_start_stuck, script, folder, "killed")
     live = await anyio.to_thread.run_sync(_start_stuck, script, folder, "live")
     try:
