@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -267,9 +268,10 @@ class Commands:
     scheduler: subprocess.Popen[bytes]
 
 
-@pytest.fixture
-def dask_commands(tmp_path: Path) -> Iterator[Commands]:
-    """A scheduler and two workers started with Dask's own commands."""
+@contextmanager
+def started_with_dask_commands(tmp_path: Path, first_on_path: str = "") -> Iterator[Commands]:
+    """A scheduler and two workers started with Dask's own commands (the workers with
+    ``first_on_path`` first on their ``PYTHONPATH``)."""
     # This interpreter's own, first: a venv's python run without activating the venv would
     # otherwise start another Python's dask command (on PATH) with this one's packages.
     here = os.path.dirname(sys.executable)
@@ -294,6 +296,10 @@ def dask_commands(tmp_path: Path) -> Iterator[Commands]:
                 time.sleep(0.1)
         assert address.startswith("tcp://127.0.0.1:")
         worker = [dask, "worker", address, "--nthreads", "1", "--host", "127.0.0.1"]
+        if first_on_path:
+            quiet["env"] = dict(
+                environ, PYTHONPATH=os.pathsep.join([first_on_path, str(ROOT), *sys.path])
+            )
         for _ in range(2):
             procs.append(subprocess.Popen([*worker, "--no-dashboard"], **quiet))
         yield Commands(address, procs[0])
@@ -306,6 +312,12 @@ def dask_commands(tmp_path: Path) -> Iterator[Commands]:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+
+
+@pytest.fixture
+def dask_commands(tmp_path: Path) -> Iterator[Commands]:
+    with started_with_dask_commands(tmp_path) as commands:
+        yield commands
 
 
 async def test_scheduler_and_workers_started_with_dask_commands(
@@ -409,3 +421,26 @@ async def test_a_scheduler_address_nothing_answers_at_fails_at_open(env: Any) ->
         ConnectionError, match=r"no Dask scheduler reachable at tcp://nowhere\.invalid"
     ):
         AsyncRunner(env, agent=DoNothingAgent, workers=1, executor="tcp://nowhere.invalid:8786")
+
+
+async def test_workers_with_other_versions_are_refused_at_open(env: Any, tmp_path: Path) -> None:
+    """Workers with another grid2op (or numpy...) failed every episode ("No module named
+    'grid2op.Environment.dispatch'"), with no warning: Dask checks only its own packages."""
+    other = tmp_path / "other"
+    (other / "grid2op-1.0.0.dist-info").mkdir(parents=True)  # what importlib.metadata finds first
+    (other / "grid2op-1.0.0.dist-info" / "METADATA").write_text(
+        "Metadata-Version: 2.1\nName: grid2op\nVersion: 1.0.0\n"
+    )
+    with started_with_dask_commands(tmp_path, str(other)) as commands:
+        client = await distributed.Client(commands.address, asynchronous=True)
+        try:
+            await client.wait_for_workers(2, timeout=60)
+            runner = AsyncRunner(env, agent=DoNothingAgent, workers=2, executor=client)
+            with pytest.raises(
+                RuntimeError, match=r"has grid2op 1\.0\.0 \(here: 1\.12\."
+            ) as caught:
+                async with runner:
+                    pass
+            assert "Install the same versions on the workers" in str(caught.value)
+        finally:
+            await client.close()

@@ -159,6 +159,37 @@ async def test_a_worker_dead_while_idle_is_replaced_before_its_next_episode(env:
     assert pid not in {e.worker for e in started}
 
 
+_TEST_PROCESS = os.getpid()
+
+
+class LoadsOnlyHere(DoNothingAgent):  # type: ignore[misc]  # grid2op is untyped
+    """An agent instance another process cannot load (its weights' file is not there, say)."""
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        if os.getpid() != _TEST_PROCESS:
+            raise FileNotFoundError("weights.pt is not on this worker")
+        self.__dict__.update(state)
+
+
+# Python >= 3.12 warns that forking a multi-threaded process may deadlock: not here.
+@pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")
+async def test_a_recipe_a_worker_cannot_load_fails_the_episode_with_its_traceback(
+    env: Any,
+) -> None:
+    """(As Dask workers with another grid2op or numpy, or without the env's folder, fail.) The
+    failure came with no traceback, as steps lost after step 0 of an episode never started."""
+    context = multiprocessing.get_context("fork")
+    with ProcessPoolExecutor(1, mp_context=context) as executor:
+        agent = LoadsOnlyHere(env.action_space)
+        async with AsyncRunner(env, agent=agent, workers=1, executor=executor) as runner:
+            with pytest.raises(EpisodeError) as caught:
+                await runner.run(1, max_iter=3)
+    failure = caught.value.failure
+    assert failure.error_type == "FileNotFoundError" and not failure.steps_lost
+    assert "weights.pt is not on this worker" in failure.message
+    assert "__setstate__" in failure.traceback
+
+
 # Python >= 3.12 warns that forking a multi-threaded process may deadlock: not here.
 @pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")
 async def test_a_broken_process_pool_executor_fails_what_is_left_saying_why(env: Any) -> None:

@@ -151,11 +151,17 @@ def run_episode(job: EpisodeJob, slot: int = 0, slots: int = 1) -> str:
     a broken channel raises.
     """
     send = _channel.connect(job.address, job.token)
-    key, cached = get_env(
-        job.recipe_key, lambda: _channel.recipe(job.address, job.token, job.recipe_key), slot, slots
-    )
+    key = None
     step = 0
     try:
+        # A recipe this worker cannot load or build (a package missing or of another version, an
+        # env folder it cannot see) fails the episode with its traceback, like the agent's errors.
+        key, cached = get_env(
+            job.recipe_key,
+            lambda: _channel.recipe(job.address, job.token, job.recipe_key),
+            slot,
+            slots,
+        )
         step = _play(job, cached, send)
     except _channel.ChannelClosed:
         raise
@@ -173,7 +179,8 @@ def run_episode(job: EpisodeJob, slot: int = 0, slots: int = 1) -> str:
         send(failure)
         return "failed"
     finally:
-        discard(key)
+        if key is not None:
+            discard(key)
     return "finished"
 
 

@@ -44,6 +44,9 @@ T = TypeVar("T")
 _LOST = "lost"
 # Seconds between two looks at whether the client still has its scheduler, while a task runs.
 _WATCH = 1.0
+# What a worker must have as this process has it for its episodes to be grid2op's here: the
+# same code (Python: the same minor version, for what goes by value).
+SAME_VERSIONS = ("asyncrunner", "grid2op", "lightsim2grid", "pandapower", "numpy", "pandas")
 
 
 class WorkerLost(Exception):
@@ -192,11 +195,37 @@ class DaskExecutor:
         )
 
     async def connect(self) -> None:
-        """Connect to the scheduler at the address given (a client or a local cluster: nothing to
-        do): ``ConnectionError`` now when nothing answers there, not every episode failing after
-        Dask's timeouts."""
-        if isinstance(self._given, str):
-            await self._get_client()
+        """Connect to the cluster given (a local cluster starts with its first task):
+        ``ConnectionError`` now when no scheduler answers at the address, not every episode failing
+        after Dask's timeouts; ``RuntimeError`` when a worker has other versions of the packages
+        that make the results (``SAME_VERSIONS``)."""
+        if self._given is None:
+            return  # a local cluster: this process's packages
+        client = await self._get_client()
+        packages = list(SAME_VERSIONS)
+        if client.asynchronous:
+            versions = await client.get_versions(packages=packages)
+        else:
+            versions = await anyio.to_thread.run_sync(
+                lambda: client.get_versions(packages=packages)
+            )
+        here = versions["client"]["packages"]
+        differ = []
+        for worker, info in sorted(versions["workers"].items()):
+            there = (info or {}).get("packages") or {}
+            for name in ("python", *SAME_VERSIONS):
+                mine, theirs = here.get(name), there.get(name)
+                if name == "python":
+                    mine, theirs = (v and ".".join(v.split(".")[:2]) for v in (mine, theirs))
+                if mine != theirs:
+                    differ.append(f"{worker} has {name} {theirs} (here: {mine})")
+        if differ:
+            raise RuntimeError(
+                "Dask workers run other versions than this process: "
+                + "; ".join(differ)
+                + ". Install the same versions on the workers: an episode plays as grid2op's "
+                "Runner plays it here only with the same code"
+            )
 
     async def _get_client(self) -> Any:
         if self._client is not None:
@@ -381,7 +410,7 @@ class DaskPool(WorkerPool):
         self.died = (KilledWorker, WorkerLost)
 
     async def warm_up(self, count: int, fn: Callable[..., int], *args: Any) -> None:
-        await self.dask.connect()  # a scheduler address nothing answers at: the runner won't open
+        await self.dask.connect()  # no scheduler, or workers of other versions: no runner
         await super().warm_up(count, fn, *args)
 
     async def submit(self, fn: Callable[..., T], *args: Any) -> T:
