@@ -172,7 +172,14 @@ def connect(address: str, token: str) -> Callable[..., None]:
             sock.sendall(frame(f"{token} {os.getpid()}".encode()))
         except OSError as exc:
             sock.close()
-            raise ChannelClosed(f"cannot reach the runner at {address}: {exc}") from exc
+            hint = (
+                " (a worker on this machine that does not see this process's files, in a "
+                "container or with a private /tmp, needs the channel on TCP: "
+                "DaskExecutor(..., listen='tcp://HOST:0'))"
+                if tcp is None
+                else ""
+            )
+            raise ChannelClosed(f"cannot reach the runner at {address}: {exc}{hint}") from exc
         _connection = _local.connection = _WorkerConnection((address, sock))
     sock = _connection[1]
 
