@@ -27,7 +27,7 @@ from ._plan._mixes import mixes_of
 from ._plan._planner import plan_run
 from ._pools._dask import DaskPool, as_dask
 from ._pools._executor import ExecutorPool
-from ._pools._fork import ForkPool, available
+from ._pools._fork import ForkPool, available, forked
 from ._pools._process import ProcessPool
 from .sinks._base import Sink
 from .sinks._mix import OnlyMix
@@ -517,7 +517,7 @@ async def sharing_workers(
         for runner in runners[1:]:
             runner._pool, runner._shares_pool, runner.workers = pool, True, workers
         if resets and pool.forks_this_process and (os.cpu_count() or 1) > 1:
-            ahead = await anyio.to_thread.run_sync(ParsedAhead, first.env, list(resets))
+            ahead = await forked(ParsedAhead, first.env, list(resets))
         for runner in runners:
             await runner._hold()
         if ahead is not None:

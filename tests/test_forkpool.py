@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import gc
 import os
 import threading
@@ -216,3 +218,31 @@ async def test_a_small_call_to_a_started_worker_takes_no_thread(
     assert [fn.__name__ for fn in hops] == ["_call_frame"]
     monkeypatch.undo()
     await pool.aclose()
+
+
+_GOMP = ctypes.util.find_library("gomp")
+_REGION = ctypes.CFUNCTYPE(None, ctypes.c_void_p)(lambda data: None)
+
+
+def openmp_region() -> int:
+    """Runs a parallel region of two threads with libgomp (as torch's operations do)."""
+    assert _GOMP is not None
+    ctypes.CDLL(_GOMP).GOMP_parallel(_REGION, None, 2, 0)
+    return os.getpid()
+
+
+@pytest.mark.skipif(_GOMP is None, reason="no libgomp here")
+async def test_a_worker_runs_openmp_though_this_process_ran_it_in_threads() -> None:
+    """A worker was forked from one of anyio's worker threads: one that had run the caller's
+    OpenMP region (torch off the event loop) gave the child its team's state, and the worker's
+    first parallel region waited for ever (grid2op's Runner, forking from the main thread, plays)."""
+    async with anyio.create_task_group() as group:
+        for _ in range(4):  # every thread of anyio's pool here
+            group.start_soon(anyio.to_thread.run_sync, openmp_region)
+    pool = ForkPool(anyio.CapacityLimiter(2))
+    try:
+        with anyio.fail_after(30):
+            pids = [await pool.submit(openmp_region) for _ in range(2)]
+        assert os.getpid() not in pids
+    finally:
+        await pool.aclose()

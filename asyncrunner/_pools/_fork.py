@@ -16,10 +16,12 @@ runs of more than 40 workers.
 
 from __future__ import annotations
 
+import concurrent.futures
 import gc
 import multiprocessing
 import os
 import pickle
+import queue
 import signal
 import socket
 import threading
@@ -37,7 +39,7 @@ from .._engine._channel import AsyncSocket, frame, receive_frame
 from .._engine._envs import exclusive
 from .._engine._pool import STOP_GRACE, WorkerPool
 
-__all__ = ["ForkPool", "available"]
+__all__ = ["ForkPool", "available", "forked"]
 
 T = TypeVar("T")
 
@@ -80,6 +82,58 @@ def _serve(sock: socket.socket, parent_ends: list[int]) -> None:
             sock.sendall(frame(data))
         except OSError:  # the parent is gone: nobody to tell
             return
+
+
+# The thread this process forks from, which runs nothing else. A child starts as a copy of the
+# thread that forked it, and anyio's worker threads run whatever ``to_thread`` gets: one that
+# ran an OpenMP region (torch's, off the event loop) left libgomp's state of its thread team in
+# the child, whose first parallel region then waited for ever for threads it does not have.
+class _Forker:
+    """A thread that runs the calls it is given one at a time, and nothing else (not a
+    ``ThreadPoolExecutor``'s: a child forked from one would try to join it at exit)."""
+
+    def __init__(self) -> None:
+        self._calls: queue.SimpleQueue[tuple[Callable[..., Any], tuple[Any, ...], Any]]
+        self._calls = queue.SimpleQueue()
+        threading.Thread(target=self._serve, name="asyncrunner-fork", daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            fn, args, done = self._calls.get()
+            try:
+                done.set_result(fn(*args))
+            except BaseException as exc:
+                done.set_exception(exc)
+
+    def call(self, fn: Callable[..., T], *args: Any) -> T:
+        done: concurrent.futures.Future[T] = concurrent.futures.Future()
+        self._calls.put((fn, args, done))
+        return done.result()
+
+
+_forker: _Forker | None = None
+_forker_lock = threading.Lock()
+
+
+def _reset_forker() -> None:
+    global _forker, _forker_lock
+    _forker, _forker_lock = None, threading.Lock()  # its thread is not in a forked child
+
+
+os.register_at_fork(after_in_child=_reset_forker)
+
+
+async def forked(
+    fn: Callable[..., T], *args: Any, limiter: anyio.CapacityLimiter | None = None
+) -> T:
+    """``fn(*args)``, which forks, run in the thread that runs nothing else (waited for from a
+    thread of ``limiter``'s, off the event loop)."""
+    global _forker
+    with _forker_lock:
+        if _forker is None:
+            _forker = _Forker()
+        forker = _forker
+    return await anyio.to_thread.run_sync(forker.call, fn, *args, limiter=limiter)
 
 
 # Bytes beyond this in a call's arguments are framed in a thread (a warm-up call's recipe).
@@ -188,7 +242,7 @@ class ForkPool(WorkerPool):
                 # One fork at a time. Forking copies this process's page tables (tens of ms
                 # for a big parent): off the event loop's thread.
                 async with self._forking:
-                    worker = await anyio.to_thread.run_sync(_Worker, limiter=self._threads)
+                    worker = await forked(_Worker, limiter=self._threads)
             self._busy.add(worker)
             try:
                 result: T = await worker.call(fn, args, self._threads)
