@@ -53,7 +53,9 @@ class CentralAgent:
       async calls concurrently on the event loop);
     - a ``BaseAgent`` subclass or a factory ``(action_space) -> agent``: one agent per episode,
       built here with a copy of the env's action space, seeded with the episode's agent seed
-      and reset with its first observation, as in a worker (same seeds, same results).
+      and reset with its first observation, as in a worker (same seeds, same results, unless
+      it draws from a process-wide generator, ``torch.manual_seed``'s or ``np.random``'s: the
+      episodes playing here at once share it).
 
     A shared instance (the first two) keeps its state across episodes and is neither seeded
     nor reset by the runner. Observations are rebuilt from vectors (``from_vect``): their values
