@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import shutil
@@ -442,5 +443,90 @@ async def test_workers_with_other_versions_are_refused_at_open(env: Any, tmp_pat
                 async with runner:
                     pass
             assert "Install the same versions on the workers" in str(caught.value)
+
+            def clients(dask_scheduler: Any) -> int:
+                return len(dask_scheduler.clients)
+
+            before = await client.run_on_scheduler(clients)
+            by_address = AsyncRunner(env, agent=DoNothingAgent, executor=commands.address)
+            with pytest.raises(RuntimeError, match=r"has grid2op 1\.0\.0"):
+                async with by_address:
+                    pass
+            # The client the runner opened is closed again (it stayed connected).
+            assert await client.run_on_scheduler(clients) == before
         finally:
             await client.close()
+
+
+def _ends_just_before_the_watch(start: float) -> bytes:
+    time.sleep(max(0.0, start + 0.97 - time.time()))  # the client's first look is at 1 s
+    return b"x" * 100_000_000  # a gather of some length
+
+
+async def test_a_look_at_the_client_never_cancels_another_tasks_result() -> None:
+    """Two tasks ending together share the asynchronous client's gather: waiting with a 1 s
+    timeout (to look at the client) cancelled it, and the other call got a bare CancelledError
+    (2 trials in 3): a run then lost episodes without an error."""
+    from asyncrunner.dask import DaskExecutor
+
+    async with (
+        distributed.LocalCluster(
+            n_workers=1,
+            threads_per_worker=2,
+            processes=True,
+            host="127.0.0.1",
+            dashboard_address="127.0.0.1:0",
+            asynchronous=True,
+        ) as local,
+        distributed.Client(local, asynchronous=True) as client,
+    ):
+        await client.submit(len, "connections up")
+        executor = DaskExecutor(client)
+        for _ in range(3):
+            start = time.time()
+            results = await asyncio.gather(
+                *(executor.call(_ends_just_before_the_watch, start) for _ in range(2)),
+                return_exceptions=True,
+            )
+            assert [len(r) if isinstance(r, bytes) else r for r in results] == [100_000_000] * 2
+
+
+LOCAL_SCRIPT = """
+import asyncio, threading, warnings
+warnings.filterwarnings("ignore")
+import grid2op
+from grid2op.Agent import BaseAgent
+from asyncrunner import AsyncRunner
+from asyncrunner.dask import DaskExecutor
+
+LOCK = threading.Lock()  # what the agent uses, and cannot be pickled
+
+class Locked(BaseAgent):
+    def act(self, observation, reward, done=False):
+        with LOCK:
+            return self.action_space({})
+
+async def main():
+    env = grid2op.make("l2rpn_case14_sandbox", test=True)
+    executor = DaskExecutor(local_workers=1)
+    async with AsyncRunner(env, agent=Locked, workers=1, executor=executor) as runner:
+        results = await runner.run(nb_episode=1, max_iter=5)
+    print([(r.nb_time_step, r.error) for r in results])
+
+if __name__ == "__main__":
+    asyncio.run(main())
+"""
+
+
+def test_a_script_agent_using_a_global_that_does_not_pickle_plays_on_a_local_cluster(
+    tmp_path: Path,
+) -> None:
+    """A local cluster's workers are spawned from the script: its classes load by reference
+    there. By value only, such an agent was refused ("cannot pickle '_thread.lock'")."""
+    script = tmp_path / "evaluate.py"
+    script.write_text(LOCAL_SCRIPT)
+    done = subprocess.run(
+        [sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=240
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.splitlines()[-1] == "[(5, None)]"

@@ -123,11 +123,14 @@ def dumps(obj: Any, *, main_by_value: bool = False) -> bytes:
     value (cloudpickle), as grid2op's forked processes simply inherit it. Plain pickle comes
     first: cloudpickle would also send ``__main__``'s classes by value, with the globals their
     methods use (a model the script loaded, that may not pickle), which workers forked or spawned
-    from this process already have. ``main_by_value``: workers that do not (a Dask worker's
-    ``__main__`` is Dask's command) get them by value, cloudpickle first.
+    from this process already have. ``main_by_value``: for workers that may not (a Dask worker's
+    ``__main__`` is Dask's command; a local cluster's is this script), cloudpickle first.
     """
     if main_by_value:
-        return _dump(_ByValuePickler, obj)
+        try:
+            return _dump(_ByValuePickler, obj)
+        except Exception:
+            return _dump(_GridPickler, obj)  # by reference, as workers spawned from here load it
     try:
         return _dump(_GridPickler, obj)
     except Exception:
@@ -256,15 +259,9 @@ def recipes(
         try:
             blob = dumps(recipe, main_by_value=main_by_value)
         except Exception as exc:
-            where = (
-                " (Dask workers get what this script defines by value: move what does not "
-                "pickle into a module installed on the workers)"
-                if main_by_value
-                else ""
-            )
             raise TypeError(
                 f"the agent {agent!r} cannot be sent to worker processes because it cannot be "
-                f"pickled ({type(exc).__name__}: {exc}){where}; pass its class, or a factory "
+                f"pickled ({type(exc).__name__}: {exc}); pass its class, or a factory "
                 "(action_space) -> agent"
             ) from exc
         made[mix] = (hashlib.blake2b(blob, digest_size=16).hexdigest(), blob)

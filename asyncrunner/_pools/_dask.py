@@ -20,6 +20,7 @@ client's are waited for in a thread, which works under asyncio and trio.
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import contextlib
 import ipaddress
@@ -178,7 +179,6 @@ class DaskExecutor:
             raise ValueError("the Dask client is closed: pass an open one (or its address)")
         self._lock: anyio.Lock | None = None
         self._waits: anyio.CapacityLimiter | None = None
-        self._unreachable: str | None = None  # why the scheduler at the address did not answer
         if listen is None and isinstance(client, str):
             try:
                 listen = default_listen(client if "://" in client else f"tcp://{client}")
@@ -202,6 +202,13 @@ class DaskExecutor:
         if self._given is None:
             return  # a local cluster: this process's packages
         client = await self._get_client()
+        try:
+            await self._check_versions(client)
+        except BaseException:
+            await self.aclose()  # a client opened here (yours stays open)
+            raise
+
+    async def _check_versions(self, client: Any) -> None:
         packages = list(SAME_VERSIONS)
         if client.asynchronous:
             versions = await client.get_versions(packages=packages)
@@ -235,10 +242,10 @@ class DaskExecutor:
         async with self._lock:
             if self._client is not None:
                 return self._client
-            if isinstance(self._given, str) and self._unreachable is None:
-                self._unreachable = await anyio.to_thread.run_sync(unreachable, self._given) or ""
-            if self._unreachable:
-                raise ConnectionError(self._no_scheduler(self._unreachable))
+            if isinstance(self._given, str):
+                reason = await anyio.to_thread.run_sync(unreachable, self._given)
+                if reason is not None:
+                    raise ConnectionError(self._no_scheduler(reason))
             import distributed
 
             dist: Any = distributed  # untyped calls
@@ -313,11 +320,7 @@ class DaskExecutor:
             # Dask leaves the future pending for ever when the client loses its scheduler:
             # look at the client now and then while waiting.
             if client.asynchronous:
-                while True:
-                    with anyio.move_on_after(_WATCH):
-                        result = await future
-                        break
-                    _check_client(client)
+                result = await _result(client, future)
             else:
                 # A thread per episode playing, not from anyio's default pool: the sinks need
                 # that one to finish (the runner bounds how many episodes play).
@@ -365,6 +368,23 @@ class DaskExecutor:
                     await anyio.to_thread.run_sync(thing.close)
 
 
+async def _result(client: Any, future: Any) -> Any:
+    """``await future`` of an asynchronous client; ``SchedulerLost`` once the client closed.
+
+    Not by cancelling the wait now and then: once the task ended, the wait is the client's
+    gather, shared by the futures that ended with it, and cancelling it cancels theirs."""
+    gathering = asyncio.ensure_future(future)
+    try:
+        while not (await asyncio.wait({gathering}, timeout=_WATCH))[0]:
+            _check_client(client)
+    finally:
+        if not gathering.done():
+            gathering.cancel()  # this episode is cancelled
+    if gathering.cancelled():  # the gather it shared was cancelled: another episode's
+        return await _result(client, future)
+    return gathering.result()
+
+
 def _wait(client: Any, future: Any) -> Any:
     """``future.result()`` of a synchronous client, in a thread; ``SchedulerLost`` once the client
     closed."""
@@ -372,8 +392,8 @@ def _wait(client: Any, future: Any) -> Any:
         try:
             return future.result(timeout=_WATCH)
         except TimeoutError:
-            if future.done():
-                raise  # the task's own
+            if future.done():  # it ended as the wait timed out, or raised TimeoutError itself
+                return future.result()
             _check_client(client)
 
 
