@@ -47,7 +47,7 @@ _LOST = "lost"
 _WATCH = 1.0
 # What a worker must have as this process has it for its episodes to be grid2op's here: the
 # same code (Python: the same minor version, for what goes by value).
-SAME_VERSIONS = ("asyncrunner", "grid2op", "lightsim2grid", "pandapower", "numpy", "pandas")
+_SAME_VERSIONS = ("asyncrunner", "grid2op", "lightsim2grid", "pandapower", "numpy", "pandas")
 
 
 class WorkerLost(Exception):
@@ -198,7 +198,7 @@ class DaskExecutor:
         """Connect to the cluster given (a local cluster starts with its first task):
         ``ConnectionError`` now when no scheduler answers at the address, not every episode failing
         after Dask's timeouts; ``RuntimeError`` when a worker has other versions of the packages
-        that make the results (``SAME_VERSIONS``)."""
+        that make the results (``_SAME_VERSIONS``)."""
         if self._given is None:
             return  # a local cluster: this process's packages
         client = await self._get_client()
@@ -209,7 +209,7 @@ class DaskExecutor:
             raise
 
     async def _check_versions(self, client: Any) -> None:
-        packages = list(SAME_VERSIONS)
+        packages = list(_SAME_VERSIONS)
         if client.asynchronous:
             versions = await client.get_versions(packages=packages)
         else:
@@ -217,21 +217,26 @@ class DaskExecutor:
                 lambda: client.get_versions(packages=packages)
             )
         here = versions["client"]["packages"]
-        differ = []
+        differ: dict[tuple[str, str | None, str | None], list[str]] = {}  # workers, by version
         for worker, info in sorted(versions["workers"].items()):
             there = (info or {}).get("packages") or {}
-            for name in ("python", *SAME_VERSIONS):
+            for name in ("python", *_SAME_VERSIONS):
                 mine, theirs = here.get(name), there.get(name)
                 if name == "python":
                     mine, theirs = (v and ".".join(v.split(".")[:2]) for v in (mine, theirs))
                 if mine != theirs:
-                    differ.append(f"{worker} has {name} {theirs} (here: {mine})")
+                    differ.setdefault((name, theirs, mine), []).append(worker)
         if differ:
+            found = "; ".join(
+                f"{name} {theirs} on {', '.join(workers[:3])}"
+                + (f" and {len(workers) - 3} more" if len(workers) > 3 else "")
+                + f" (here: {mine})"
+                for (name, theirs, mine), workers in differ.items()
+            )
             raise RuntimeError(
-                "Dask workers run other versions than this process: "
-                + "; ".join(differ)
-                + ". Install the same versions on the workers: an episode plays as grid2op's "
-                "Runner plays it here only with the same code"
+                f"Dask workers run other versions than this process: {found}. Install the same "
+                "versions on the workers: an episode plays as grid2op's Runner plays it here "
+                "only with the same code"
             )
 
     async def _get_client(self) -> Any:
