@@ -6,6 +6,7 @@ import concurrent.futures
 import inspect
 import numbers
 import os
+import sys
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import replace
@@ -42,6 +43,16 @@ _FORK = available()
 _WORKERS_PER_CPU = 64
 
 
+def usable_cpus() -> int:
+    """The CPUs this process may run on: its affinity (``taskset``, a Slurm job's CPUs, a
+    container's cpuset), not the machine's count (``os.process_cpu_count`` of Python 3.13)."""
+    if sys.version_info >= (3, 13):
+        return os.process_cpu_count() or 1
+    if hasattr(os, "sched_getaffinity"):  # not on macOS or Windows
+        return len(os.sched_getaffinity(0)) or 1
+    return os.cpu_count() or 1
+
+
 class RunOptions(TypedDict, total=False):
     """The keyword arguments of ``AsyncRunner.run`` and ``AsyncRunner.stream`` (see ``run``).
 
@@ -71,7 +82,7 @@ class AsyncRunner(AsyncResource):
     ``agent``: a ``BaseAgent`` subclass (built in the worker with the env's action space), an
     instance (copied for each episode, as grid2op does) or a callable ``(action_space) -> agent``
     (a lambda or a class defined in a function too: what workers cannot import goes by value).
-    ``workers``: episodes run at once (default: CPU count; local processes: at most 64 per CPU,
+    ``workers``: episodes run at once (default: the CPUs this process may use; local processes: at most 64 per CPU,
     started as episodes need them). ``executor``: ``None`` for local
     processes (forked from this one on Linux, ``anyio.to_process`` elsewhere), a
     ``concurrent.futures.Executor``, or a Dask cluster (a ``distributed.Client``, a scheduler
@@ -102,15 +113,15 @@ class AsyncRunner(AsyncResource):
             raise ValueError("the env is closed: pass an open grid2op env (make a new one)")
         if not hasattr(env, "get_params_for_runner"):
             raise TypeError(f"env must be a grid2op Environment, got {type(env).__name__}")
+        cpus = usable_cpus()
         if workers is None:
-            workers = os.cpu_count() or 1
+            workers = cpus
         if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
             raise ValueError(f"`workers` must be an integer >= 1, got {workers!r}")
-        cpus = os.cpu_count() or 1
         if executor is None and workers > _WORKERS_PER_CPU * cpus:
             raise ValueError(
                 f"workers={workers} asks for up to {workers} worker processes, each with its own env, "
-                f"on this machine's {cpus} CPU(s): use at most {_WORKERS_PER_CPU * cpus} "
+                f"on the {cpus} CPU(s) this process may use: use at most {_WORKERS_PER_CPU * cpus} "
                 f"({_WORKERS_PER_CPU} per CPU), CentralAgent(agent, envs_per_worker=N) for agents "
                 "that mostly wait, or a cluster (executor=...)"
             )
@@ -187,7 +198,7 @@ class AsyncRunner(AsyncResource):
         # No more than the CPUs: more would not be ready sooner, and a run of fewer episodes
         # would not use them. A run's first calls take these workers as they become ready
         # rather than start more processes (see WorkerPool.warm_up).
-        count = min(self.workers, os.cpu_count() or 1)
+        count = min(self.workers, usable_cpus())
         await self._hold()
         await self._get_pool().warm_up(count, warm, self._recipe_key, self._recipe_bytes)
         return self
@@ -516,13 +527,13 @@ async def sharing_workers(
     try:
         for runner in runners[1:]:
             runner._pool, runner._shares_pool, runner.workers = pool, True, workers
-        if resets and pool.forks_this_process and (os.cpu_count() or 1) > 1:
+        if resets and pool.forks_this_process and usable_cpus() > 1:
             ahead = await forked(ParsedAhead, first.env, list(resets))
         for runner in runners:
             await runner._hold()
         if ahead is not None:
             await anyio.to_thread.run_sync(ahead.join)
-        count = min(workers, os.cpu_count() or 1)
+        count = min(workers, usable_cpus())
         await pool.warm_up(count, warm, first._recipe_key, first._recipe_bytes)
         yield
     finally:

@@ -28,6 +28,7 @@ import psutil  # type: ignore[import-untyped]
 import pytest
 from grid2op.Agent import BaseAgent, DoNothingAgent
 
+import asyncrunner._runner
 from asyncrunner import AsyncRunner, RunFinished, RunStarted
 from asyncrunner._engine import _channel
 from asyncrunner._engine._channel import frame, open_channel
@@ -200,6 +201,7 @@ from pathlib import Path
 import anyio, grid2op
 from grid2op.Agent import BaseAgent
 from lightsim2grid import LightSimBackend
+import asyncrunner._runner
 from asyncrunner import AsyncRunner, RunFinished, RunStarted
 
 GO = Path(sys.argv[1])
@@ -391,13 +393,33 @@ async def test_no_more_processes_than_can_be_used(
 ) -> None:
     # On a 2-CPU machine, workers=8 and a run of 3 episodes: the warm-up builds 2 envs (no more
     # would be ready sooner), the run adds one worker for its third episode, none for the rest.
-    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(asyncrunner._runner, "usable_cpus", lambda: 2)
     before = worker_children()
     async with AsyncRunner(env, agent=DoNothingAgent, workers=8) as runner:
         await runner.run(3, max_iter=5)
         assert len(worker_children() - before) == 3
         await runner.run(1, max_iter=5)
         assert len(worker_children() - before) == 3
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_workers_default_to_the_cpus_this_process_may_use(env: Any) -> None:
+    # taskset, a Slurm job or a container's cpuset gives a process some of the machine's CPUs:
+    # the default is one worker per CPU it may use, not per CPU of the machine (64 envs built
+    # on a Slurm node's 64 cores for a job given 4).
+    cpus = os.sched_getaffinity(0)
+    if len(cpus) < 2:
+        pytest.skip("needs a process allowed on 2 CPUs or more")
+    before = worker_children()
+    os.sched_setaffinity(0, {min(cpus)})  # this thread, where the runner is made and opened
+    try:
+        async with AsyncRunner(env, agent=DoNothingAgent) as runner:
+            assert runner.workers == 1
+            results = await runner.run(2, max_iter=5)
+            assert [r.nb_time_step for r in results] == [5, 5]
+            assert len(worker_children() - before) == 1
+    finally:
+        os.sched_setaffinity(0, cpus)
 
 
 # --- 5. a local Dask cluster listens on this machine only -----------------------------------

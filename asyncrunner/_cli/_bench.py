@@ -34,7 +34,6 @@ import argparse
 import functools
 import importlib.metadata
 import json
-import os
 import platform
 import sys
 import traceback
@@ -350,6 +349,8 @@ def _sweep_point(
 
 
 def _config(args: argparse.Namespace, env: Any, plan: Plan) -> dict[str, Any]:
+    from .._runner import usable_cpus
+
     return {
         "env": args.env,
         "test": bool(args.test if args.test is not None else args.env == DEFAULT_ENV),
@@ -366,7 +367,7 @@ def _config(args: argparse.Namespace, env: Any, plan: Plan) -> dict[str, Any]:
         "episode_ids": plan.episode_ids,
         "env_seeds": plan.env_seeds,
         "agent_seeds": plan.agent_seeds,
-        "cpu_count": os.cpu_count(),
+        "cpu_count": usable_cpus(),
         "versions": {
             "python": platform.python_version(),
             **{

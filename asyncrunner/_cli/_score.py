@@ -89,7 +89,7 @@ def _parser() -> Parser:
         type=at_least(1),
         default=None,
         metavar="W",
-        help="worker processes in all, for every agent and reference (default: CPU count)",
+        help="worker processes in all, for every agent and reference (default: the CPUs this process may use)",
     )
     parser.add_argument(
         "--save",

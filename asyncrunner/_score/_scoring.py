@@ -26,7 +26,7 @@ import anyio
 import anyio.to_thread
 
 from .._exceptions import unwrapped
-from .._runner import AsyncRunner, sharing_workers
+from .._runner import AsyncRunner, sharing_workers, usable_cpus
 from ._grid2op import COMPETITIONS, ScorePlan, compute_stats, grid2op_scores
 
 __all__ = ["COMPETITIONS", "ScenarioScore", "ScoreResult", "score"]
@@ -137,7 +137,7 @@ async def _play_and_score(
     workers: int | None,
     resume: bool,
 ) -> list[ScoreResult]:
-    total = workers if workers is not None else (os.cpu_count() or 1)
+    total = workers if workers is not None else usable_cpus()
     runners = [AsyncRunner(job_env, agent=agent, workers=total) for _, job_env, agent in plan.jobs]
     results: list[Any] = [None] * len(plan.jobs)
 
