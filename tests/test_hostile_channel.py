@@ -140,6 +140,20 @@ async def test_a_stranger_does_not_end_a_run(env: Any, private_tmp: Path) -> Non
     assert played(results) == played(undisturbed)
 
 
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_a_temporary_folder_too_deep_for_a_unix_socket(
+    env: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A batch job's TMPDIR deep in a scratch folder: a Unix socket's path holds 107 bytes at
+    # most, and binding the channel there failed every run ("AF_UNIX path too long").
+    deep = tmp_path / ("scratch-" + "x" * max(1, 110 - len(str(tmp_path))))
+    deep.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(deep))
+    async with AsyncRunner(env, agent=DoNothingAgent, workers=2) as runner:
+        results = await runner.run(2, max_iter=5, path_save=tmp_path / "runs")
+    assert [(r.nb_time_step, r.error) for r in results] == [(5, None), (5, None)]
+
+
 # --- 2. idle connections and running out of open files ---------------------------------------
 
 

@@ -76,6 +76,10 @@ _MAX_WAITING = 64
 _ACCEPT_BACKOFF = 0.1
 _OUT_OF_FILES = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM}
 _PREFIX = "asyncrunner-"
+# A Unix socket's path holds at most 107 bytes on Linux, 103 on macOS (their NUL apart): where
+# the temporary folder is too deep for one, the channel's folder goes to /tmp.
+_MAX_SOCKET_PATH = 103
+_SHORT_ROOT = "/tmp"
 
 _log = logging.getLogger(__name__)
 
@@ -507,7 +511,7 @@ async def open_channel(max_buffer: int = 64, listen: str | None = None) -> Async
     if listen is not None and tcp is None:
         raise ValueError(f"`listen` must look like tcp://HOST:PORT, got {listen!r}")
     await anyio.to_thread.run_sync(remove_stale_folders)
-    folder = tempfile.mkdtemp(prefix=f"{_PREFIX}{os.getpid()}-")
+    folder = _channel_folder()
     address = os.path.join(folder, "channel")
     send, receive = anyio.create_memory_object_stream[Any](max_buffer)
     try:
@@ -538,17 +542,36 @@ async def open_channel(max_buffer: int = 64, listen: str | None = None) -> Async
         shutil.rmtree(folder, ignore_errors=True)
 
 
+def _channel_folder() -> str:
+    """A new private folder for the channel's socket: in the temporary folder (``TMPDIR``), or
+    in ``/tmp`` when the socket's path there would be too long for a Unix socket (a batch job's
+    deep scratch folder)."""
+    folder = tempfile.mkdtemp(prefix=f"{_PREFIX}{os.getpid()}-")
+    if len(os.fsencode(os.path.join(folder, "channel"))) <= _MAX_SOCKET_PATH:
+        return folder
+    os.rmdir(folder)
+    try:
+        return tempfile.mkdtemp(prefix=f"{_PREFIX}{os.getpid()}-", dir=_SHORT_ROOT)
+    except OSError as exc:
+        raise OSError(
+            f"the temporary folder {tempfile.gettempdir()!r} is too long a path for the run's Unix "
+            f"socket (at most {_MAX_SOCKET_PATH} bytes with its name), and {_SHORT_ROOT} cannot "
+            f"hold it ({exc}): set TMPDIR to a shorter folder"
+        ) from exc
+
+
 def remove_stale_folders() -> None:
     """Remove this user's channel folders whose owner process is gone (killed runs leave them).
 
     The owner's pid is in the folder's name; a live run's folder is never removed (a pid reused
     by another process keeps a stale folder, which is the safe way round).
     """
-    root = tempfile.gettempdir()
-    try:
-        entries = list(os.scandir(root))
-    except OSError:
-        return
+    entries = []
+    for root in dict.fromkeys((tempfile.gettempdir(), _SHORT_ROOT)):
+        try:
+            entries += list(os.scandir(root))
+        except OSError:
+            pass
     for entry in entries:
         owner = entry.name[len(_PREFIX) :].partition("-")[0]
         if not entry.name.startswith(_PREFIX) or not owner.isdigit():
