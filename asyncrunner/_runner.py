@@ -152,8 +152,14 @@ class AsyncRunner(AsyncResource):
         sources: dict[str | None, Any] = {None: env}
         if self._mixes is not None:
             sources = dict(self._mixes.items())
-        # A Dask worker's ``__main__`` is Dask's command: it gets this script's classes by value.
-        self._recipes = recipes(sources, agent, kind, payload, main_by_value=self._dask is not None)
+        # The standard library's pools run this script as their workers' ``__main__`` (forked,
+        # or imported as ``__mp_main__``); others' workers (Dask's command, loky's) do not: they
+        # get this script's classes by value.
+        by_value = executor is not None and not isinstance(
+            executor,
+            (concurrent.futures.ProcessPoolExecutor, concurrent.futures.ThreadPoolExecutor),
+        )
+        self._recipes = recipes(sources, agent, kind, payload, main_by_value=by_value)
         # The first (or only) recipe: the env the workers build while warming up.
         self._recipe_key, self._recipe_bytes = next(iter(self._recipes.values()))
         self._first_env = next(iter(sources.values()))  # that recipe's env (copy_env)

@@ -9,6 +9,7 @@ that is a lambda go to the workers by value; an agent instance that cannot be co
 from __future__ import annotations
 
 import copy
+import json
 import logging
 import multiprocessing
 import os
@@ -219,6 +220,57 @@ def test_script_agent_class_keeps_its_globals_in_the_script(tmp_path: Any) -> No
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip().splitlines()[-1] == "[5, 5]"
+
+
+LOKY_SCRIPT = """
+import asyncio, json, warnings
+warnings.simplefilter("ignore")
+import loky
+from grid2op.Agent import RandomAgent
+from grid2op.Runner import Runner
+from asyncrunner import AsyncRunner
+from tests.conftest import make_env
+
+
+class ScriptAgent(RandomAgent):
+    pass
+
+
+RUN = dict(nb_episode=2, max_iter=10, env_seeds=[1, 2], agent_seeds=[4, 5])
+
+
+async def main():
+    env = make_env()
+    theirs = Runner(**env.get_params_for_runner(), agentClass=ScriptAgent).run(**RUN)
+    executor = loky.get_reusable_executor(max_workers=2)
+    try:
+        async with AsyncRunner(env, agent=ScriptAgent, workers=2, executor=executor) as runner:
+            mine = await runner.run(**RUN)
+    finally:
+        executor.shutdown(wait=True)
+    print(json.dumps([[r.as_tuple()[1:4] for r in mine], [list(r[1:4]) for r in theirs]]))
+
+
+if __name__ == "__main__":
+    asyncio.run(main())
+"""
+
+
+@pytest.mark.slow  # a subprocess, and loky's worker processes
+def test_a_script_agent_class_plays_on_a_loky_executor(tmp_path: Any) -> None:
+    # loky's workers (joblib's process pool) never import the script: its class goes by value,
+    # as loky sends a script's functions. By reference, every episode failed ("Can't get
+    # attribute 'ScriptAgent' on <module 'loky.backend.popen_loky_posix'>").
+    script = tmp_path / "script.py"
+    script.write_text(LOKY_SCRIPT)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run(
+        [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    mine, theirs = json.loads(done.stdout.strip().splitlines()[-1])
+    assert mine == theirs
 
 
 # --- an agent instance that cannot be copied -------------------------------------------------

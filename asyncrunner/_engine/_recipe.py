@@ -124,7 +124,8 @@ def dumps(obj: Any, *, main_by_value: bool = False) -> bytes:
     first: cloudpickle would also send ``__main__``'s classes by value, with the globals their
     methods use (a model the script loaded, that may not pickle), which workers forked or spawned
     from this process already have. ``main_by_value``: for workers that may not (a Dask worker's
-    ``__main__`` is Dask's command; a local cluster's is this script), cloudpickle first.
+    ``__main__`` is Dask's command, loky's workers never import the script; a local Dask
+    cluster's is this script), cloudpickle first.
     """
     if main_by_value:
         try:
