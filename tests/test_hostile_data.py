@@ -6,6 +6,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import resource
 import signal
 import subprocess
 import sys
@@ -19,6 +20,7 @@ from typing import Any
 
 import anyio
 import numpy as np
+import psutil  # type: ignore[import-untyped]
 import pytest
 from grid2op.Agent import BaseAgent, DoNothingAgent, RandomAgent
 from grid2op.Episode import EpisodeData
@@ -475,3 +477,28 @@ async def test_files_and_folders_are_synced_around_the_rename(
     before = [p for what, p, _ in log[:moved] if what == "fsync"]
     assert tmp_npz in before and tmp_meta in before
     assert ("fsync", str(compact / "CompactEpisodeData"), "") in log[moved:]
+
+
+def _cap_address_space(pid: int, headroom: int) -> tuple[int, int]:
+    """Cap ``pid``'s address space at its size now plus ``headroom`` (as ``ulimit -v`` does);
+    returns the limits it had."""
+    with open(f"/proc/{pid}/status") as f:
+        size = next(int(line.split()[1]) << 10 for line in f if line.startswith("VmSize"))
+    return resource.prlimit(pid, resource.RLIMIT_AS, (size + headroom, resource.RLIM_INFINITY))
+
+
+async def test_a_saved_run_plays_under_an_address_space_cap(env: Any, tmp_path: Path) -> None:
+    """A batch node's ``ulimit -v`` (SGE's ``h_vmem``): each thread takes a stack and a malloc
+    arena of the address space, about 70 MiB here. The 16 threads that flush a saved episode's
+    files at once made workers fail episodes grid2op's Runner plays ("can't start new thread").
+    Under a cap, the files are flushed one after the other."""
+    async with AsyncRunner(env, agent=DoNothingAgent, workers=2) as runner:
+        await runner.run(2, max_iter=5)  # both workers started, their envs built
+        pids = [os.getpid(), *(p.pid for p in psutil.Process().children())]
+        limits = [_cap_address_space(pid, 300 << 20) for pid in pids]
+        try:
+            results = await runner.run(6, max_iter=5, path_save=tmp_path, on_error="continue")
+        finally:
+            resource.setrlimit(resource.RLIMIT_AS, limits[0])
+    assert [(r.nb_time_step, r.error) for r in results] == [(5, None)] * 6
+    assert len(EpisodeData.list_episode(str(tmp_path))) == 6

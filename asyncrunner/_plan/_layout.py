@@ -11,6 +11,7 @@ import errno
 import hashlib
 import json
 import os
+import sys
 import threading
 import warnings
 from collections.abc import Mapping, Sequence
@@ -19,6 +20,9 @@ from collections.abc import Mapping, Sequence
 # a thread of its parent was importing it would wait forever for that import at its first save.
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
+
+if sys.platform != "win32":
+    import resource
 
 from .._model import EpisodeRequest, EpisodeResult
 
@@ -62,11 +66,21 @@ def sync(paths: Sequence[str]) -> None:
     in name and empty in content. The ``fsync`` calls run at once: the file system then commits
     them together (here 14 in a row took about 8 ms each; at once, about as long as one).
     """
-    if len(paths) == 1:
-        _fsync(paths[0])
+    if len(paths) == 1 or _address_space_capped():
+        for path in paths:
+            _fsync(path)
         return
     for _ in _fsync_pool().map(_fsync, paths):
         pass
+
+
+def _address_space_capped() -> bool:
+    """Whether this process's address space is capped (``ulimit -v``, a batch system's memory
+    limit): each thread takes a stack and a malloc arena of it (about 70 MiB here), and 16 of
+    them made a worker that grid2op's would run in fail to start a thread."""
+    if sys.platform == "win32":
+        return False
+    return resource.getrlimit(resource.RLIMIT_AS)[0] != resource.RLIM_INFINITY
 
 
 # Threads kept from one call to the next: starting 15 threads per saved episode cost the parent
