@@ -11,13 +11,14 @@ import multiprocessing
 import os
 import pickle
 import resource
+import shutil
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -46,10 +47,13 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture
-def private_tmp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """Channel folders go to a temp dir of this test's own (other runs share the real one)."""
-    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
-    return tmp_path
+def private_tmp(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """Channel folders go to a temp dir of this test's own (other runs share the real one): a
+    short one, where a socket's path fits (pytest's tmp_path may be too deep for one)."""
+    folder = tempfile.mkdtemp(prefix="ar-", dir="/tmp")
+    monkeypatch.setattr(tempfile, "tempdir", folder)
+    yield Path(folder)
+    shutil.rmtree(folder, ignore_errors=True)
 
 
 def worker_children() -> set[int]:

@@ -37,6 +37,7 @@ import secrets
 import shutil
 import socket
 import struct
+import sys
 import tempfile
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
@@ -78,7 +79,7 @@ _OUT_OF_FILES = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM}
 _PREFIX = "asyncrunner-"
 # A Unix socket's path holds at most 107 bytes on Linux, 103 on macOS (their NUL apart): where
 # the temporary folder is too deep for one, the channel's folder goes to /tmp.
-_MAX_SOCKET_PATH = 103
+_MAX_SOCKET_PATH = 107 if sys.platform.startswith("linux") else 103
 _SHORT_ROOT = "/tmp"
 
 _log = logging.getLogger(__name__)
