@@ -14,6 +14,7 @@ from typing import Any, Literal, TypedDict, Unpack
 
 import anyio
 from anyio.abc import AsyncResource
+from anyio.streams.memory import MemoryObjectSendStream
 
 from ._engine._central import CentralAgent
 from ._engine._dispatch import Run, RunSettings
@@ -182,6 +183,10 @@ class AsyncRunner(AsyncResource):
         self._space_dicts: dict[str, Any] | None = None
         self._pool: WorkerPool | None = None
         self._closed = False
+        # The runs playing, each in a scope that closing the runner cancels, and an event set
+        # when none is left (when the last one ends).
+        self._playing: set[anyio.CancelScope] = set()
+        self._none_playing: anyio.Event | None = None
         self._held = False  # the env is held here for forked workers (released on close)
         self._shares_pool = False  # another runner's pool (``sharing_workers``): not ours to stop
         # An env built from the recipe's params and never played, held for forked workers
@@ -226,18 +231,26 @@ class AsyncRunner(AsyncResource):
             )
 
     async def aclose(self) -> None:
-        """Stop the warm-up, then the worker processes this runner used (idle ones)."""
+        """Stop the warm-up and the runs still playing (another task's ``run()`` then raises
+        ``AsyncRunnerError``), then the worker processes this runner used."""
         if self._closed:
             return
         self._closed = True
         try:
-            if self._pool is not None and not self._shares_pool:
-                await self._pool.aclose()
+            if self._playing:
+                self._none_playing = anyio.Event()
+                for scope in self._playing:
+                    scope.cancel()
+                await self._none_playing.wait()
         finally:
-            if self._held:
-                self._held = False
-                with anyio.CancelScope(shield=True):
-                    await anyio.to_thread.run_sync(release, self._recipe_key)
+            try:
+                if self._pool is not None and not self._shares_pool:
+                    await self._pool.aclose()
+            finally:
+                if self._held:
+                    self._held = False
+                    with anyio.CancelScope(shield=True):
+                        await anyio.to_thread.run_sync(release, self._recipe_key)
 
     @property
     def _pids(self) -> set[int]:
@@ -265,6 +278,24 @@ class AsyncRunner(AsyncResource):
     def _check_open(self) -> None:
         if self._closed:
             raise AsyncRunnerError("this AsyncRunner is closed: create a new one")
+
+    async def _execute(
+        self, run: Run, send: MemoryObjectSendStream[Event] | None = None
+    ) -> list[EpisodeResult]:
+        """``run.execute(send)``, stopped if the runner closes meanwhile."""
+        self._check_open()
+        with anyio.CancelScope() as scope:
+            self._playing.add(scope)
+            try:
+                return await run.execute(send)
+            finally:
+                self._playing.discard(scope)
+                if not self._playing and self._none_playing is not None:
+                    self._none_playing.set()
+        raise AsyncRunnerError(
+            "the AsyncRunner was closed while this run played: the episodes it finished are "
+            "saved (path_save; run again with resume=True in a new runner to play the rest)"
+        )
 
     async def _spaces(self) -> dict[str, Any]:
         if self._space_dicts is None:
@@ -418,11 +449,11 @@ class AsyncRunner(AsyncResource):
         run = await self._prepare(nb_episode, options, streaming=False)
         if collector is None:
             with unwrapped():
-                return await run.execute()
+                return await self._execute(run)
         data = collector.data
         try:
             with unwrapped():
-                results = await run.execute()
+                results = await self._execute(run)
         except EpisodeError as exc:
             exc.results = await _detailed(exc.results, data)
             raise
@@ -441,7 +472,7 @@ class AsyncRunner(AsyncResource):
 
         async def produce() -> None:
             async with send:
-                await run.execute(send)
+                await self._execute(run, send)
 
         with unwrapped():
             async with anyio.create_task_group() as group, receive:

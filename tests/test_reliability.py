@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import multiprocessing
 import os
@@ -16,9 +17,18 @@ from typing import Any
 import anyio
 import pytest
 from grid2op.Agent import BaseAgent, DoNothingAgent
+from grid2op.Episode import EpisodeData
 
 import asyncrunner._runner
-from asyncrunner import AsyncRunner, EpisodeError, EpisodeFailed, EpisodeStarted, StepBatch
+from asyncrunner import (
+    AsyncRunner,
+    AsyncRunnerError,
+    EpisodeError,
+    EpisodeFailed,
+    EpisodeStarted,
+    StepBatch,
+)
+from asyncrunner._engine._envs import release
 from asyncrunner.sinks import CallbackSink
 
 from .helpers import BOTH_LOOPS, alive, children, starts, wait_dead, wait_no_children
@@ -362,6 +372,25 @@ async def test_runner_close_leaves_no_worker_process(
     await wait_no_children(before)
 
 
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # unclosed: says so
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_a_runner_dropped_unclosed_leaves_no_worker_once_collected(env: Any) -> None:
+    # The fork thread kept its last call's result (a worker) until its next call: that worker
+    # outlived a runner dropped without closing it.
+    before = children()
+    runner = AsyncRunner(env, agent=DoNothingAgent, workers=2)
+    await runner.__aenter__()
+    await runner.run(2, max_iter=5)
+    assert len(children() - before) == 2
+    held = runner._recipe_key  # the env it holds for its workers: released by its close
+    del runner
+    gc.collect()
+    try:
+        await wait_no_children(before)
+    finally:
+        release(held)  # what the runner's close would have done (this process's next tests)
+
+
 @BOTH_LOOPS
 async def test_runners_opened_in_one_task_close_in_the_order_opened(env: Any) -> None:
     first = AsyncRunner(env, agent=DoNothingAgent, workers=1)
@@ -387,6 +416,39 @@ async def test_a_runner_opened_in_one_task_closes_in_another(env: Any) -> None:
     assert result.error is None
     await runner.aclose()
     assert runner._pids and not any(alive(pid) for pid in runner._pids)
+
+
+def one_saved(folder: str) -> None:
+    deadline = time.monotonic() + 60
+    while not EpisodeData.list_episode(folder):
+        assert time.monotonic() < deadline, "no episode saved in 60 s"
+        time.sleep(0.01)
+
+
+@BOTH_LOOPS
+async def test_closing_a_runner_stops_the_runs_playing_on_it(env: Any, tmp_path: Any) -> None:
+    # A service closing (or replacing) its runner while another task's run plays: aclose
+    # returned at once, the run went on to its end, and its workers outlived the runner.
+    before = children()
+    runner = AsyncRunner(env, agent=DoNothingAgent, workers=2)
+
+    async def play() -> None:
+        with pytest.raises(AsyncRunnerError, match="closed while this run played"):
+            await runner.run(40, max_iter=5, path_save=tmp_path)
+
+    await runner.__aenter__()
+    async with anyio.create_task_group() as group:
+        group.start_soon(play)
+        await anyio.to_thread.run_sync(one_saved, str(tmp_path))
+        await runner.aclose()
+        assert not any(alive(pid) for pid in runner._pids)
+    assert children() - before == set()
+    # What finished is saved complete; a new runner plays the rest (resume).
+    done = len(EpisodeData.list_episode(str(tmp_path)))
+    assert 1 <= done < 40
+    async with AsyncRunner(env, agent=DoNothingAgent, workers=2) as again:
+        results = await again.run(40, max_iter=5, path_save=tmp_path, resume=True)
+    assert [r.nb_time_step for r in results] == [5] * 40
 
 
 @BOTH_LOOPS

@@ -104,6 +104,7 @@ class _Forker:
                 done.set_result(fn(*args))
             except BaseException as exc:
                 done.set_exception(exc)
+            del fn, args, done  # kept until the next call, a worker would outlive its pool
 
     def call(self, fn: Callable[..., T], *args: Any) -> T:
         done: concurrent.futures.Future[T] = concurrent.futures.Future()
