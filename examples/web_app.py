@@ -1,7 +1,8 @@
 """A live evaluation dashboard: one long-lived AsyncRunner inside a Starlette app.
 
 Run it with ``python examples/web_app.py [--port 8000] [--workers 2] [--agent DoNothingAgent]``
-(or ``uvicorn examples.web_app:app``) and open http://127.0.0.1:8000/.
+(or ``uvicorn --app-dir examples web_app:app --timeout-graceful-shutdown 3``) and open
+http://127.0.0.1:8000/.
 
 - ``POST /runs`` (JSON ``{"episodes": 2, "max_iter": 100, "seed": 0}``) starts an evaluation in
   the background and answers at once with its id. At most ``MAX_EPISODES`` (1,000) episodes a
@@ -60,6 +61,7 @@ from asyncrunner._cli._common import derive_seeds
 ENV_NAME = "l2rpn_case14_sandbox"
 MAX_EPISODES = 1000  # per run: a bigger one would hold the workers (and the run's log) for hours
 KEEP_ALIVE = 10.0  # seconds between comments on an idle event stream
+SHUTDOWN_GRACE = 3  # seconds a stop waits for open connections (event streams) before cancelling
 # Viewers are woken at most this often, this many at a time (see Dashboard._wake_viewers).
 WAKE_EVERY = 0.25
 WAKE_AT_ONCE = 20
@@ -585,7 +587,15 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=2, help="episodes played at once")
     parser.add_argument("--agent", default="DoNothingAgent", help="a grid2op.Agent class name")
     args = parser.parse_args()
-    uvicorn.run(create_app(args.agent, args.workers), host=args.host, port=args.port)
+    # uvicorn shuts the app down (its runs cancelled, the runner closed) once every connection
+    # closed: a viewer's event stream closes when its run ends, so a stop (SIGTERM, Ctrl-C) would
+    # wait for the run. Three seconds, then the connections are cancelled.
+    uvicorn.run(
+        create_app(args.agent, args.workers),
+        host=args.host,
+        port=args.port,
+        timeout_graceful_shutdown=SHUTDOWN_GRACE,
+    )
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@ uvicorn on 127.0.0.1, and loaded by headless Chromium during a run."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import shutil
@@ -16,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import psutil  # type: ignore[import-untyped]
 import pytest
 
 httpx = pytest.importorskip("httpx")
@@ -180,9 +182,10 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-@pytest.fixture
-def server(tmp_path: Path) -> Iterator[str]:
-    """``python examples/web_app.py`` on a free port of 127.0.0.1 (as the README runs it)."""
+@contextlib.contextmanager
+def serving(tmp_path: Path) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+    """``python examples/web_app.py`` on a free port of 127.0.0.1 (as the README runs it); stopped
+    with SIGTERM at the end, which it must answer by shutting the app down."""
     port = _free_port()
     log = (tmp_path / "server.log").open("w")
     process = subprocess.Popen(
@@ -203,7 +206,7 @@ def server(tmp_path: Path) -> Iterator[str]:
                 pass
             assert time.monotonic() < deadline, "the server did not start"
             time.sleep(0.2)
-        yield url
+        yield url, process
     finally:
         process.terminate()
         try:
@@ -216,6 +219,42 @@ def server(tmp_path: Path) -> Iterator[str]:
     text = (tmp_path / "server.log").read_text()
     assert process.returncode in (0, -signal.SIGTERM), text
     assert "Application shutdown complete" in text, text
+
+
+@pytest.fixture
+def server(tmp_path: Path) -> Iterator[str]:
+    with serving(tmp_path) as (url, _):
+        yield url
+
+
+@pytest.mark.slow  # a uvicorn server process
+async def test_the_server_stops_promptly_while_someone_watches_a_run(tmp_path: Path) -> None:
+    # uvicorn waits for open connections before it shuts the app down, and a viewer's event
+    # stream stayed open until its run ended: SIGTERM (docker stop, systemd) waited for the
+    # whole run (up to 1,000 episodes) while it went on playing.
+    with serving(tmp_path) as (url, process):
+        async with httpx.AsyncClient(base_url=url, timeout=60) as client:
+            run_id = (await client.post("/runs", json={"episodes": 1000})).json()["id"]
+            playing = anyio.Event()
+
+            async def watch() -> None:  # as the dashboard does, to the end of the stream
+                with contextlib.suppress(httpx.TransportError):
+                    async with client.stream("GET", f"/runs/{run_id}/events") as events:
+                        async for line in events.aiter_lines():
+                            if line.startswith("event: episode_finished"):
+                                playing.set()
+
+            async with anyio.create_task_group() as group:
+                group.start_soon(watch)
+                await playing.wait()
+                workers = [p.pid for p in psutil.Process(process.pid).children()]
+                assert workers
+                started = time.monotonic()
+                process.terminate()
+                await anyio.to_thread.run_sync(process.wait, 30)
+                stopped = time.monotonic() - started
+    assert stopped < 10, f"the server took {stopped:.1f} s to stop"
+    assert not [pid for pid in workers if psutil.pid_exists(pid)]
 
 
 def _chromium() -> str | None:
