@@ -9,6 +9,8 @@ import inspect
 import multiprocessing
 import os
 import shutil
+import subprocess
+import sys
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -565,3 +567,54 @@ def test_the_constructor_parses_the_grid_once_per_process(
     for _ in range(2):
         quiet(compat.Runner, **params, agentClass=DoNothingAgent).close()
     assert len(parsed) <= 1  # grid2op's own constructor parses it at each build
+
+
+THREADS_SCRIPT = """
+import sys, threading, warnings
+warnings.filterwarnings("ignore")
+from grid2op.Agent import RandomAgent
+from asyncrunner.compat import Runner
+from tests.conftest import make_env
+
+RUN = dict(max_iter=30, env_seeds=[1, 2, 3, 4], agent_seeds=[5, 6, 7, 8], episode_id=[0, 1, 0, 1])
+envs = [make_env("rte_case14_opponent"), make_env()]
+BUILD = threading.Lock()  # grid2op's env builds are not thread-safe: the user's lock
+results = {}
+
+
+def endpoint(k):  # a sync web endpoint's thread
+    for _ in range(6):
+        with BUILD:
+            runner = Runner(**envs[k].get_params_for_runner(), agentClass=RandomAgent)
+        got = sorted(tuple(x[1:]) for x in runner.run(nb_episode=4, nb_process=2, **RUN))
+        assert results.setdefault(k, got) == got
+
+
+threads = [threading.Thread(target=endpoint, args=(k,)) for k in (0, 1)]
+for t in threads:
+    t.start()
+for t in threads:
+    t.join()
+print("done", len(results))
+"""
+
+
+@pytest.mark.slow  # a subprocess, 24 runs
+def test_runners_of_two_threads_fork_workers_that_start_sound(tmp_path: Path) -> None:
+    # One thread's constructor built its env while the other's run forked workers: some started
+    # with their after-fork hooks failed ("Exception ignored in: <bound method Random.seed ...>
+    # SystemError"; 6 in a run like this one): their `random` was not reseeded.
+    script = tmp_path / "service.py"
+    script.write_text(THREADS_SCRIPT)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run(
+        [sys.executable, str(script)],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0 and done.stdout.strip() == "done 2", done.stderr[-3000:]
+    assert "Exception ignored" not in done.stderr, done.stderr[-3000:]

@@ -65,7 +65,7 @@ from typing import Any
 from grid2op.Action import BaseAction
 from grid2op.Runner import Runner as _GridRunner
 
-from .._engine._envs import disown
+from .._engine._envs import disown, exclusive
 from .._engine._parsed import parsing_once
 from .._engine._recipe import dumps, env_key
 from .._model import EpisodeResult
@@ -117,10 +117,13 @@ class Runner(_GridRunner):  # type: ignore[misc]  # grid2op is untyped (Any base
         # runs keep that one (chronic names, spaces) rather than build a second (about 1 s).
         # parsing_once: the grid's and the first chronic's files come parsed from this process's
         # cache (the grid also from the disk's) when a build parsed them before: the same parse
-        # of the same bytes (on l2rpn_case14_sandbox, 1.1 s -> 0.2-0.3 s).
+        # of the same bytes (on l2rpn_case14_sandbox, 1.1 s -> 0.2-0.3 s). Under ``exclusive()``,
+        # as every env this process holds for the workers it forks is built: a fork during a
+        # build in another thread (two threads' runners) started workers whose after-fork hooks
+        # failed ("Exception ignored in: ... Random.seed ... SystemError"; 6 of 24 forks).
         self._ar_capture = True
         try:
-            with parsing_once():
+            with exclusive(), parsing_once():
                 super().__init__(*args, **kwargs)
         finally:
             self._ar_capture = False
