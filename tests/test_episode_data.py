@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import threading
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
@@ -288,6 +289,38 @@ async def test_a_worker_that_writes_after_the_run_ended_finds_no_stage(tmp_path:
     with pytest.raises(FileNotFoundError):  # a worker of a cancelled run, finishing late
         stage_files(stage, {"a.json": b"{}"})
     assert staged.folder.startswith(stage) and _hidden(tmp_path) == []
+
+
+async def test_a_stage_made_as_the_writer_closes_is_removed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A run cancelled as it starts: the writer closed (nothing to remove yet) while its stage
+    # was being made in a thread, which then left an empty hidden folder in path_save.
+    writer = EpisodeDataWriter(tmp_path)
+    closed = threading.Event()
+    makedirs = os.makedirs
+
+    def late_makedirs(path: Any, *args: Any, **kwargs: Any) -> None:
+        assert closed.wait(10)  # the writer closes between the stage's name and its folder
+        makedirs(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "makedirs", late_makedirs)
+    async with anyio.create_task_group() as group:
+
+        async def stage() -> None:
+            with pytest.raises(OSError, match="the writer closed while its stage was made"):
+                await anyio.to_thread.run_sync(writer.stage)
+
+        group.start_soon(stage)
+        await anyio.wait_all_tasks_blocked()
+        await writer.aclose()
+        closed.set()
+    monkeypatch.undo()
+    assert _hidden(tmp_path) == []
+    # The writer serves its next run as before.
+    assert await anyio.Path(await anyio.to_thread.run_sync(writer.stage)).is_dir()
+    await writer.aclose()
+    assert _hidden(tmp_path) == []
 
 
 def _with_files(events: list[Event], env: str) -> list[Event]:

@@ -69,6 +69,7 @@ class Writer(Sink):
         self._next_k: dict[str, int] = {}  # per chronic, the suffix its next name starts from
         self._tmp: set[str] = set()
         self._stage: str | None = None
+        self._closes = 0  # aclose calls: a stage made across one is removed (``stage``)
         self._lock = threading.Lock()
 
     # --- to implement -----------------------------------------------------------------------
@@ -119,17 +120,26 @@ class Writer(Sink):
         """A hidden folder in this writer's, where a run's workers on this machine write each
         episode's files (``stage_files``). Made before the run's first episode (in a thread),
         removed by ``aclose`` with whatever is left in it."""
-        if self._stage is None:
-            stage = self._new_tmp(self._work)
-            os.makedirs(stage)
-            self._stage = stage
-        return self._stage
+        with self._lock:
+            if self._stage is not None:
+                return self._stage
+            closes = self._closes
+        stage = self._new_tmp(self._work)
+        os.makedirs(stage)
+        with self._lock:
+            if self._closes == closes:
+                self._stage = stage
+                return stage
+        # Closed meanwhile (a run cancelled as it started): its leftovers may have been taken.
+        self._remove([stage])
+        raise OSError(f"{self._work}: the writer closed while its stage was made")
 
     async def aclose(self) -> None:
         """Forget unfinished episodes and remove any work-in-progress left on disk."""
         self._open.clear()
-        self._stage = None
         with self._lock:
+            self._closes += 1
+            self._stage = None
             leftovers = sorted(self._tmp)
         if leftovers:
             await anyio.to_thread.run_sync(self._remove, leftovers)
