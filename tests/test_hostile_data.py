@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 import warnings
 from collections.abc import AsyncIterator, Iterator
@@ -28,7 +29,8 @@ from grid2op.Reward import ConstantReward
 from grid2op.Runner import Runner as GridRunner
 
 from asyncrunner import AsyncRunner, EpisodeError, EpisodeStarted, Event, SinkError
-from asyncrunner._plan._layout import BROKEN_FOLDER, RECORD_FILE
+from asyncrunner._plan import _layout
+from asyncrunner._plan._layout import BROKEN_FOLDER, RECORD_FILE, sync
 from asyncrunner.compat import Runner as CompatRunner
 from asyncrunner.sinks import CallbackSink, CompactEpisodeWriter, EpisodeDataWriter
 from asyncrunner.sinks._writer import TMP_PREFIX
@@ -502,3 +504,32 @@ async def test_a_saved_run_plays_under_an_address_space_cap(env: Any, tmp_path: 
             resource.setrlimit(resource.RLIMIT_AS, limits[0])
     assert [(r.nb_time_step, r.error) for r in results] == [(5, None)] * 6
     assert len(EpisodeData.list_episode(str(tmp_path))) == 6
+
+
+def test_files_are_flushed_when_no_thread_can_start(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A container's limit on processes (pids.max counts threads): the threads that flush an
+    # episode's files at once could not start, and the episode failed after it played.
+    paths = [str(tmp_path / f"{k}.npz") for k in range(3)]
+    for path in paths:
+        Path(path).write_bytes(b"x")
+    start = threading.Thread.start
+
+    def no_sync_thread(thread: threading.Thread) -> None:
+        if thread.name.startswith("asyncrunner-sync"):
+            raise RuntimeError("can't start new thread")
+        start(thread)
+
+    flushed: list[str] = []
+    fsync = os.fsync
+
+    def logged_fsync(fd: int) -> None:
+        flushed.append(os.readlink(f"/proc/self/fd/{fd}"))
+        fsync(fd)
+
+    monkeypatch.setattr(_layout, "_POOL", None)  # a pool of its own, with no thread yet
+    monkeypatch.setattr(threading.Thread, "start", no_sync_thread)
+    monkeypatch.setattr(os, "fsync", logged_fsync)
+    sync(paths)
+    assert sorted(set(flushed)) == paths

@@ -70,8 +70,12 @@ def sync(paths: Sequence[str]) -> None:
         for path in paths:
             _fsync(path)
         return
-    for _ in _fsync_pool().map(_fsync, paths):
-        pass
+    try:
+        for _ in _fsync_pool().map(_fsync, paths):
+            pass
+    except RuntimeError:  # no thread could start (a container's limit on processes)
+        for path in paths:
+            _fsync(path)
 
 
 def _address_space_capped() -> bool:
