@@ -523,6 +523,23 @@ def test_the_folder_of_a_killed_channel_is_removed(private_tmp: Path) -> None:
     check_only_the_killed_folder_goes(HOLDS_A_CHANNEL, private_tmp)
 
 
+async def test_a_run_looks_for_stale_folders_in_its_temporary_folder_only(
+    private_tmp: Path,
+) -> None:
+    # A folder in /tmp whose owner pid this process cannot see may be a live run's of another
+    # PID namespace (a container sharing /tmp): a run with a TMPDIR of its own removed it too,
+    # and that run's workers lost their channel ("No such file or directory").
+    gone = await anyio.run_process([sys.executable, "-c", "import os; print(os.getpid())"])
+    other = Path(tempfile.mkdtemp(prefix=f"asyncrunner-{int(gone.stdout)}-", dir="/tmp"))
+    try:
+        (other / "channel").touch()
+        async with open_channel() as channel:
+            assert Path(channel.address).parent.parent == private_tmp
+        assert await anyio.Path(other).is_dir()
+    finally:
+        shutil.rmtree(other, ignore_errors=True)
+
+
 HOLDS_A_RUN = """
 import sys, time, warnings
 import anyio, grid2op

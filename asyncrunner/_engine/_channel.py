@@ -511,8 +511,7 @@ async def open_channel(max_buffer: int = 64, listen: str | None = None) -> Async
     tcp = None if listen is None else _tcp(listen)
     if listen is not None and tcp is None:
         raise ValueError(f"`listen` must look like tcp://HOST:PORT, got {listen!r}")
-    await anyio.to_thread.run_sync(remove_stale_folders)
-    folder = _channel_folder()
+    folder = await anyio.to_thread.run_sync(_channel_folder)
     address = os.path.join(folder, "channel")
     send, receive = anyio.create_memory_object_stream[Any](max_buffer)
     try:
@@ -546,11 +545,14 @@ async def open_channel(max_buffer: int = 64, listen: str | None = None) -> Async
 def _channel_folder() -> str:
     """A new private folder for the channel's socket: in the temporary folder (``TMPDIR``), or
     in ``/tmp`` when the socket's path there would be too long for a Unix socket (a batch job's
-    deep scratch folder)."""
-    folder = tempfile.mkdtemp(prefix=f"{_PREFIX}{os.getpid()}-")
+    deep scratch folder). The stale folders of the one it uses are removed first."""
+    root = tempfile.gettempdir()
+    remove_stale_folders(root)
+    folder = tempfile.mkdtemp(prefix=f"{_PREFIX}{os.getpid()}-", dir=root)
     if len(os.fsencode(os.path.join(folder, "channel"))) <= _MAX_SOCKET_PATH:
         return folder
     os.rmdir(folder)
+    remove_stale_folders(_SHORT_ROOT)
     try:
         return tempfile.mkdtemp(prefix=f"{_PREFIX}{os.getpid()}-", dir=_SHORT_ROOT)
     except OSError as exc:
@@ -561,18 +563,17 @@ def _channel_folder() -> str:
         ) from exc
 
 
-def remove_stale_folders() -> None:
-    """Remove this user's channel folders whose owner process is gone (killed runs leave them).
+def remove_stale_folders(root: str) -> None:
+    """Remove this user's channel folders in ``root`` whose owner process is gone (killed runs
+    leave them).
 
     The owner's pid is in the folder's name; a live run's folder is never removed (a pid reused
     by another process keeps a stale folder, which is the safe way round).
     """
-    entries = []
-    for root in dict.fromkeys((tempfile.gettempdir(), _SHORT_ROOT)):
-        try:
-            entries += list(os.scandir(root))
-        except OSError:
-            pass
+    try:
+        entries = list(os.scandir(root))
+    except OSError:
+        return
     for entry in entries:
         owner = entry.name[len(_PREFIX) :].partition("-")[0]
         if not entry.name.startswith(_PREFIX) or not owner.isdigit():
