@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import contextvars
 import inspect
 import numbers
 import os
@@ -42,6 +43,10 @@ _FORK = available()
 # Local worker processes allowed per CPU: more cannot be meant (each holds an env; 10,000 forked
 # until memory ran out). Agents that wait rather than compute have CentralAgent(envs_per_worker=).
 _WORKERS_PER_CPU = 64
+# The runners whose runs the current task plays a part in (a sink's, a callback's task).
+_INSIDE: contextvars.ContextVar[frozenset[int]] = contextvars.ContextVar(
+    "asyncrunner_inside", default=frozenset()
+)
 
 
 def usable_cpus() -> int:
@@ -241,7 +246,10 @@ class AsyncRunner(AsyncResource):
                 self._none_playing = anyio.Event()
                 for scope in self._playing:
                     scope.cancel()
-                await self._none_playing.wait()
+                # From inside a run of this runner (a sink closing, a shielded callback), that
+                # run would wait for this call: it ends cancelled after it.
+                if id(self) not in _INSIDE.get():
+                    await self._none_playing.wait()
         finally:
             try:
                 if self._pool is not None and not self._shares_pool:
@@ -284,11 +292,13 @@ class AsyncRunner(AsyncResource):
     ) -> list[EpisodeResult]:
         """``run.execute(send)``, stopped if the runner closes meanwhile."""
         self._check_open()
+        inside = _INSIDE.set(_INSIDE.get() | {id(self)})  # its tasks (sinks) inherit it
         with anyio.CancelScope() as scope:
             self._playing.add(scope)
             try:
                 return await run.execute(send)
             finally:
+                _INSIDE.reset(inside)
                 self._playing.discard(scope)
                 if not self._playing and self._none_playing is not None:
                     self._none_playing.set()

@@ -78,6 +78,30 @@ async def test_a_pool_stops_its_workers_though_another_forked_since() -> None:
         await second.aclose()
 
 
+def naps(seconds: float) -> int:
+    time.sleep(seconds)
+    return os.getpid()
+
+
+async def test_a_worker_busy_as_the_pool_stops_is_stopped_when_its_call_ends() -> None:
+    # Stopping stopped the idle workers only: one busy then went back to the idle ones as its
+    # call ended, alive for as long as the process.
+    pool = ForkPool(anyio.CapacityLimiter(1))
+    pid = 0
+
+    async def call() -> None:
+        nonlocal pid
+        pid = await pool.submit(naps, 1.0)
+
+    async with anyio.create_task_group() as group:
+        group.start_soon(call)
+        with anyio.fail_after(30):
+            while not pool._busy:  # noqa: ASYNC110 - the pool has no event for it
+                await anyio.sleep(0.01)
+        await pool.aclose()  # the call goes on (it was not cancelled)
+    assert pid and not alive(pid) and not pool._idle
+
+
 async def test_an_error_comes_back_and_the_worker_stays() -> None:
     pool = ForkPool(anyio.CapacityLimiter(1))
     pid, _ = await pool.call(pid_plus, 0)

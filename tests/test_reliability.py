@@ -25,6 +25,7 @@ from asyncrunner import (
     AsyncRunnerError,
     EpisodeError,
     EpisodeFailed,
+    EpisodeFinished,
     EpisodeStarted,
     StepBatch,
 )
@@ -369,6 +370,24 @@ async def test_runner_close_leaves_no_worker_process(
     async with AsyncRunner(env, agent=DoNothingAgent, workers=2) as runner:
         await runner.run(2, max_iter=5)
         assert len(children() - before) == 2
+    await wait_no_children(before)
+
+
+@BOTH_LOOPS
+async def test_a_runner_closed_from_inside_its_own_run(env: Any) -> None:
+    # A sink or callback of the run closing the runner in a shielded scope (as a sink's own
+    # aclose runs): closing waited for the run, which waited for it.
+    before = children()
+    runner = AsyncRunner(env, agent=DoNothingAgent, workers=2)
+
+    async def close_the_runner(event: Any) -> None:
+        if isinstance(event, EpisodeFinished):
+            with anyio.CancelScope(shield=True):
+                await runner.aclose()
+
+    async with runner:
+        with anyio.fail_after(60), pytest.raises(AsyncRunnerError, match="closed while"):
+            await runner.run(8, max_iter=5, sinks=[CallbackSink(close_the_runner)])
     await wait_no_children(before)
 
 

@@ -222,6 +222,7 @@ class ForkPool(WorkerPool):
         self._idle: list[_Worker] = []
         self._busy: set[_Worker] = set()
         self._forking = anyio.Lock()
+        self._stopped = False  # a worker whose call ends after ``stop`` is stopped, not kept
 
     @property
     def pids(self) -> set[int]:
@@ -251,12 +252,16 @@ class ForkPool(WorkerPool):
                 self._busy.discard(worker)
                 if isinstance(exc, Exception) and not isinstance(exc, BrokenWorkerProcess):
                     self._idle.append(worker)  # the function raised: the worker is fine
+                    if self._stopped:
+                        await self.stop()
                 else:  # cancelled (or dead): a worker mid-call is killed
                     with anyio.CancelScope(shield=True):
                         await anyio.to_thread.run_sync(worker.kill, limiter=self._threads)
                 raise
             self._busy.discard(worker)
             self._idle.append(worker)
+            if self._stopped:
+                await self.stop()
             return result
         finally:
             self.limiter.release()
@@ -272,7 +277,9 @@ class ForkPool(WorkerPool):
         return None
 
     async def stop(self) -> None:
-        """Stop the idle workers: socket closed (clean exit), killed if still there after a grace."""
+        """Stop the idle workers (and the busy ones as their calls end): socket closed (clean
+        exit), killed if still there after a grace."""
+        self._stopped = True
         idle, self._idle = self._idle, []
 
         def stop() -> None:
