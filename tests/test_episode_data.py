@@ -8,7 +8,7 @@ import json
 import os
 import threading
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -257,11 +257,16 @@ class _Placing(EpisodeDataWriter):
         self.stage_gone = stage_gone
         self.came: list[str] = []
 
-    def stage(self) -> str:
-        stage = super().stage()
-        if self.stage_gone:  # e.g. removed by hand: the workers cannot write there
-            os.rmdir(stage)
-        return stage
+    def stager(self) -> Callable[[], str]:
+        stage = super().stager()
+
+        def made() -> str:
+            path = stage()
+            if self.stage_gone:  # e.g. removed by hand: the workers cannot write there
+                os.rmdir(path)
+            return path
+
+        return made
 
     def _write_episode(self, started: EpisodeStarted, files: Mapping[str, bytes] | Staged) -> str:
         self.came.append("staged" if isinstance(files, Staged) else "sent")
@@ -316,6 +321,12 @@ async def test_a_stage_made_as_the_writer_closes_is_removed(
         await writer.aclose()
         closed.set()
     monkeypatch.undo()
+    assert _hidden(tmp_path) == []
+    # The close may also come before the stage's thread starts (it waits for the GIL).
+    stager = writer.stager()  # on the event loop, as the run asks for the stage
+    await writer.aclose()
+    with pytest.raises(OSError, match="the writer closed before its stage was made"):
+        await anyio.to_thread.run_sync(stager)
     assert _hidden(tmp_path) == []
     # The writer serves its next run as before.
     assert await anyio.Path(await anyio.to_thread.run_sync(writer.stage)).is_dir()

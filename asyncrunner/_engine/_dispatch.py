@@ -205,7 +205,7 @@ class Run:
                 if writer is None:
                     continue  # a sink of its own: that mix's episodes send the bytes
                 try:
-                    stages[(fmt, mix)] = await anyio.to_thread.run_sync(writer.stage)
+                    stages[(fmt, mix)] = await anyio.to_thread.run_sync(writer.stager())
                 except OSError:
                     pass  # the writer writes the files, and says why it cannot
         return stages

@@ -5,6 +5,7 @@ event loop), each episode moved into place atomically."""
 from __future__ import annotations
 
 import abc
+import functools
 import hashlib
 import json
 import os
@@ -13,7 +14,7 @@ import secrets
 import shutil
 import socket
 import threading
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import anyio
@@ -118,19 +119,28 @@ class Writer(Sink):
 
     def stage(self) -> str:
         """A hidden folder in this writer's, where a run's workers on this machine write each
-        episode's files (``stage_files``). Made before the run's first episode (in a thread),
-        removed by ``aclose`` with whatever is left in it."""
+        episode's files (``stage_files``). Made before the run's first episode (in a thread:
+        ``stager``), removed by ``aclose`` with whatever is left in it."""
+        return self._stage_unless_closed_since(self._closes)
+
+    def stager(self) -> Callable[[], str]:
+        """``stage`` for a thread, as of now: if the writer closes meanwhile (a run cancelled as
+        it starts closes its sinks while the thread waits to run), it makes no stage."""
+        return functools.partial(self._stage_unless_closed_since, self._closes)
+
+    def _stage_unless_closed_since(self, closes: int) -> str:
         with self._lock:
+            if self._closes != closes:
+                raise OSError(f"{self._work}: the writer closed before its stage was made")
             if self._stage is not None:
                 return self._stage
-            closes = self._closes
         stage = self._new_tmp(self._work)
         os.makedirs(stage)
         with self._lock:
             if self._closes == closes:
                 self._stage = stage
                 return stage
-        # Closed meanwhile (a run cancelled as it started): its leftovers may have been taken.
+        # Closed meanwhile: its leftovers may have been taken before the folder was made.
         self._remove([stage])
         raise OSError(f"{self._work}: the writer closed while its stage was made")
 
