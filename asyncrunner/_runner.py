@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import contextvars
 import inspect
 import numbers
 import os
 import sys
+import threading
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import replace
@@ -192,6 +194,10 @@ class AsyncRunner(AsyncResource):
         # when none is left (when the last one ends).
         self._playing: set[anyio.CancelScope] = set()
         self._none_playing: anyio.Event | None = None
+        # The event loop that last used the runner (see _check_loop), and the lock under which
+        # loops of other threads check it.
+        self._loop: tuple[str, object] | None = None
+        self._loop_lock = threading.Lock()
         self._held = False  # the env is held here for forked workers (released on close)
         self._shares_pool = False  # another runner's pool (``sharing_workers``): not ours to stop
         # An env built from the recipe's params and never played, held for forked workers
@@ -210,6 +216,8 @@ class AsyncRunner(AsyncResource):
 
     async def __aenter__(self) -> AsyncRunner:
         self._check_open()
+        with self._loop_lock:
+            self._check_loop()
         # Start the workers and build their envs now, while the caller prepares its first run.
         # No more than the CPUs: more would not be ready sooner, and a run of fewer episodes
         # would not use them. A run's first calls take these workers as they become ready
@@ -240,6 +248,8 @@ class AsyncRunner(AsyncResource):
         ``AsyncRunnerError``), then the worker processes this runner used."""
         if self._closed:
             return
+        with self._loop_lock:
+            self._check_loop()
         self._closed = True
         try:
             if self._playing:
@@ -287,6 +297,28 @@ class AsyncRunner(AsyncResource):
         if self._closed:
             raise AsyncRunnerError("this AsyncRunner is closed: create a new one")
 
+    def _check_loop(self) -> None:
+        """Refuse an event loop the runner's pool cannot serve (under ``_loop_lock``): its
+        limiter, locks and streams are of the async library that made them (asyncio, trio),
+        and serve one loop at a time (a loop of another thread would wait for ever)."""
+        loop = _current_loop()
+        if self._loop is not None and loop[1] is not self._loop[1]:
+            if loop[0] != self._loop[0]:
+                raise AsyncRunnerError(
+                    f"this AsyncRunner was opened under {self._loop[0]}: it cannot serve "
+                    f"{loop[0]}; use it (and close it) under {self._loop[0]}, or make a runner "
+                    "for each"
+                )
+            warming = self._pool is not None and self._pool.warming
+            if self._playing or warming:
+                raise AsyncRunnerError(
+                    "this AsyncRunner is in use by another event loop (another thread's "
+                    "asyncio.run, say): a runner serves one event loop at a time; make a runner "
+                    "for each thread, or send the calls to the loop that has it "
+                    "(asyncio.run_coroutine_threadsafe, anyio.from_thread)"
+                )
+        self._loop = loop
+
     async def _execute(
         self, run: Run, send: MemoryObjectSendStream[Event] | None = None
     ) -> list[EpisodeResult]:
@@ -294,7 +326,9 @@ class AsyncRunner(AsyncResource):
         self._check_open()
         inside = _INSIDE.set(_INSIDE.get() | {id(self)})  # its tasks (sinks) inherit it
         with anyio.CancelScope() as scope:
-            self._playing.add(scope)
+            with self._loop_lock:
+                self._check_loop()
+                self._playing.add(scope)
             try:
                 return await run.execute(send)
             finally:
@@ -491,6 +525,16 @@ class AsyncRunner(AsyncResource):
                     yield receive
                 finally:
                     group.cancel_scope.cancel()
+
+
+def _current_loop() -> tuple[str, object]:
+    """The async library running this task, and its running loop (trio: its token)."""
+    try:
+        return "asyncio", asyncio.get_running_loop()
+    except RuntimeError:
+        import trio
+
+        return "trio", trio.lowlevel.current_trio_token()
 
 
 def _same(value: Any, then: Any) -> bool:

@@ -9,6 +9,7 @@ process is gone": ``play`` turns those into ``WorkerDied``, which the dispatcher
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, TypeVar
@@ -166,10 +167,19 @@ class WorkerPool(ABC):
         else:
             await self.submit(run_episodes, list(jobs))
 
+    @property
+    def warming(self) -> bool:
+        """Whether the warm-up's calls are still running."""
+        return self._warming is not None and not self._warming[1].is_set()
+
     async def _warmed(self) -> None:
         if self._warm_left and self._warm_ready is not None:
             self._warm_left -= 1
-            await self._warm_ready.receive()
+            if self.warming:
+                await self._warm_ready.receive()
+            else:  # ended: its calls sent what they could (none if its loop ended first)
+                with contextlib.suppress(anyio.WouldBlock):
+                    self._warm_ready.receive_nowait()
 
     async def aclose(self) -> None:
         """Stop the warm-up, then the worker processes."""

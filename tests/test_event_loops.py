@@ -1,0 +1,90 @@
+"""A runner and the event loops that use it: one after another, never two at once, one async
+library (its pool's limiter, locks and streams are that library's)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from typing import Any
+
+import anyio
+import pytest
+from grid2op.Agent import DoNothingAgent
+
+from asyncrunner import AsyncRunner, AsyncRunnerError, EpisodeStarted
+from asyncrunner.sinks import CallbackSink
+
+from .helpers import alive
+
+
+def steps(results: Any) -> list[int]:
+    return [r.nb_time_step for r in results]
+
+
+# asyncio.run closes the warm-up's calls it never started: "coroutine ... never awaited"
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+def test_a_runner_opened_in_one_asyncio_run_plays_in_the_next(env: Any) -> None:
+    # The first loop ended before the warm-up's calls started (asyncio cancels them unstarted):
+    # the next loop's first calls waited for ever for those calls' workers.
+    runner = AsyncRunner(env, agent=DoNothingAgent, workers=2)
+    asyncio.run(runner.__aenter__())
+
+    async def play() -> Any:
+        return await asyncio.wait_for(runner.run(2, max_iter=5), 60)
+
+    try:
+        assert steps(asyncio.run(play())) == [5, 5]
+        assert steps(asyncio.run(play())) == [5, 5]  # and the one after
+    finally:
+        asyncio.run(runner.aclose())
+    assert not any(alive(pid) for pid in runner._pids)
+
+
+def test_a_runner_refuses_a_second_loop_while_one_uses_it(env: Any) -> None:
+    # Two threads' asyncio.run on one runner (sync views, a thread pool): its limiter woke the
+    # other loop from the wrong thread, and both waited for ever.
+    runner = AsyncRunner(env, agent=DoNothingAgent, workers=2)
+    playing = threading.Event()
+    results: list[Any] = []
+
+    def on(event: Any) -> None:
+        if isinstance(event, EpisodeStarted):
+            playing.set()
+
+    async def first() -> None:
+        async with runner:
+            results.extend(await runner.run(4, max_iter=20, sinks=[CallbackSink(on)]))
+
+    thread = threading.Thread(target=asyncio.run, args=(first(),))
+    thread.start()
+    try:
+        assert playing.wait(60)
+
+        async def second() -> Any:
+            return await asyncio.wait_for(runner.run(1, max_iter=5), 30)
+
+        with pytest.raises(AsyncRunnerError, match="in use by another event loop"):
+            asyncio.run(second())
+    finally:
+        thread.join(120)
+    assert steps(results) == [20] * 4
+
+
+def test_a_runner_opened_under_trio_refuses_asyncio(env: Any) -> None:
+    # The run failed as if its first episode had ("must be called from async context"), and
+    # the runner could not be closed any more: its workers lived on.
+    runner = AsyncRunner(env, agent=DoNothingAgent, workers=2)
+
+    async def play() -> Any:
+        return await runner.run(2, max_iter=5)
+
+    anyio.run(runner.__aenter__, backend="trio")
+    try:
+        assert steps(anyio.run(play, backend="trio")) == [5, 5]
+        with pytest.raises(AsyncRunnerError, match="opened under trio: it cannot serve asyncio"):
+            asyncio.run(play())
+        with pytest.raises(AsyncRunnerError, match="opened under trio"):
+            asyncio.run(runner.aclose())
+    finally:
+        anyio.run(runner.aclose, backend="trio")
+    assert runner._pids and not any(alive(pid) for pid in runner._pids)
