@@ -45,8 +45,8 @@ _FORK = available()
 # Local worker processes allowed per CPU: more cannot be meant (each holds an env; 10,000 forked
 # until memory ran out). Agents that wait rather than compute have CentralAgent(envs_per_worker=).
 _WORKERS_PER_CPU = 64
-# The runners whose runs the current task plays a part in (a sink's, a callback's task).
-_INSIDE: contextvars.ContextVar[frozenset[int]] = contextvars.ContextVar(
+# The runs (their scopes) the current task plays a part in: their sinks' and callbacks' tasks.
+_INSIDE: contextvars.ContextVar[frozenset[anyio.CancelScope]] = contextvars.ContextVar(
     "asyncrunner_inside", default=frozenset()
 )
 
@@ -193,7 +193,10 @@ class AsyncRunner(AsyncResource):
         # The runs playing, each in a scope that closing the runner cancels, and an event set
         # when none is left (when the last one ends).
         self._playing: set[anyio.CancelScope] = set()
+        # Set by the run that leaves only those its closer plays a part in (``_closer_in``).
         self._none_playing: anyio.Event | None = None
+        self._closer_in: frozenset[anyio.CancelScope] = frozenset()
+        self._entering = 0  # ``__aenter__`` calls between their loop check and the warm-up
         # The event loop that last used the runner (see _check_loop), and the lock under which
         # loops of other threads check it.
         self._loop: tuple[str, object] | None = None
@@ -218,13 +221,18 @@ class AsyncRunner(AsyncResource):
         self._check_open()
         with self._loop_lock:
             self._check_loop()
-        # Start the workers and build their envs now, while the caller prepares its first run.
-        # No more than the CPUs: more would not be ready sooner, and a run of fewer episodes
-        # would not use them. A run's first calls take these workers as they become ready
-        # rather than start more processes (see WorkerPool.warm_up).
-        count = min(self.workers, usable_cpus())
-        await self._hold()
-        await self._get_pool().warm_up(count, warm, self._recipe_key, self._recipe_bytes)
+            self._entering += 1
+        try:
+            # Start the workers and build their envs now, while the caller prepares its first
+            # run. No more than the CPUs: more would not be ready sooner, and a run of fewer
+            # episodes would not use them. A run's first calls take these workers as they
+            # become ready rather than start more processes (see WorkerPool.warm_up).
+            count = min(self.workers, usable_cpus())
+            await self._hold()
+            await self._get_pool().warm_up(count, warm, self._recipe_key, self._recipe_bytes)
+        finally:
+            with self._loop_lock:
+                self._entering -= 1
         return self
 
     async def _hold(self) -> None:
@@ -253,12 +261,13 @@ class AsyncRunner(AsyncResource):
         self._closed = True
         try:
             if self._playing:
-                self._none_playing = anyio.Event()
                 for scope in self._playing:
                     scope.cancel()
-                # From inside a run of this runner (a sink closing, a shielded callback), that
-                # run would wait for this call: it ends cancelled after it.
-                if id(self) not in _INSIDE.get():
+                # Not for the runs this call is part of (a sink closing, a shielded callback):
+                # they wait for it, and end cancelled after it.
+                self._closer_in = _INSIDE.get()
+                if not self._playing <= self._closer_in:
+                    self._none_playing = anyio.Event()
                     await self._none_playing.wait()
         finally:
             try:
@@ -310,7 +319,13 @@ class AsyncRunner(AsyncResource):
                     "for each"
                 )
             warming = self._pool is not None and self._pool.warming
-            if self._playing or warming:
+            if (self._playing or warming) and _closed(self._loop):
+                raise AsyncRunnerError(
+                    "the event loop that used this AsyncRunner was closed with its work unfinished "
+                    "(loop.close() with tasks pending; asyncio.run cancels them first): another "
+                    "loop can neither use nor close it; make a new runner"
+                )
+            if self._playing or warming or self._entering:
                 raise AsyncRunnerError(
                     "this AsyncRunner is in use by another event loop (another thread's "
                     "asyncio.run, say): a runner serves one event loop at a time; make a runner "
@@ -324,17 +339,17 @@ class AsyncRunner(AsyncResource):
     ) -> list[EpisodeResult]:
         """``run.execute(send)``, stopped if the runner closes meanwhile."""
         self._check_open()
-        inside = _INSIDE.set(_INSIDE.get() | {id(self)})  # its tasks (sinks) inherit it
         with anyio.CancelScope() as scope:
             with self._loop_lock:
                 self._check_loop()
                 self._playing.add(scope)
+            inside = _INSIDE.set(_INSIDE.get() | {scope})  # its tasks (sinks) inherit it
             try:
                 return await run.execute(send)
             finally:
                 _INSIDE.reset(inside)
                 self._playing.discard(scope)
-                if not self._playing and self._none_playing is not None:
+                if self._none_playing is not None and self._playing <= self._closer_in:
                     self._none_playing.set()
         raise AsyncRunnerError(
             "the AsyncRunner was closed while this run played: the episodes it finished are "
@@ -525,6 +540,12 @@ class AsyncRunner(AsyncResource):
                     yield receive
                 finally:
                     group.cancel_scope.cancel()
+
+
+def _closed(loop: tuple[str, object]) -> bool:
+    """Whether an asyncio loop was closed (its tasks never run again; a trio run ends only
+    once its tasks did)."""
+    return isinstance(loop[1], asyncio.AbstractEventLoop) and loop[1].is_closed()
 
 
 def _current_loop() -> tuple[str, object]:

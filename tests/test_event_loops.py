@@ -88,3 +88,21 @@ def test_a_runner_opened_under_trio_refuses_asyncio(env: Any) -> None:
     finally:
         anyio.run(runner.aclose, backend="trio")
     assert runner._pids and not any(alive(pid) for pid in runner._pids)
+
+
+def test_a_loop_closed_with_the_runner_starting_is_said_so(env: Any) -> None:
+    # loop.close() without cancelling its tasks (a sync wrapper's own loop) as the warm-up ran:
+    # the next loop was told another loop used the runner (or, with the warm-up forgotten,
+    # waited for ever for a worker the closed loop held).
+    runner = AsyncRunner(env, agent=DoNothingAgent, workers=1)
+    loop = asyncio.new_event_loop()
+    try:
+        loop.run_until_complete(runner.__aenter__())
+    finally:
+        loop.close()
+
+    async def play() -> Any:
+        return await asyncio.wait_for(runner.run(1, max_iter=5), 60)
+
+    with pytest.raises(AsyncRunnerError, match="closed with its work unfinished"):
+        asyncio.run(play())

@@ -391,6 +391,38 @@ async def test_a_runner_closed_from_inside_its_own_run(env: Any) -> None:
     await wait_no_children(before)
 
 
+@BOTH_LOOPS
+async def test_a_runner_closed_from_inside_one_run_waits_for_the_others(env: Any) -> None:
+    # Closed from a callback of run A, it waited for no run: run B (another task's, its agent
+    # stuck in act) still played as the close returned, its worker alive.
+    runner = AsyncRunner(env, agent=Hangs, workers=2)
+    log: list[str] = []
+    b_plays = anyio.Event()
+
+    async def on_b(event: Any) -> None:
+        if isinstance(event, EpisodeStarted):
+            b_plays.set()
+
+    async def on_a(event: Any) -> None:
+        if isinstance(event, EpisodeStarted):
+            await b_plays.wait()
+            with anyio.CancelScope(shield=True):
+                await runner.aclose()
+            log.append("closed")
+
+    async def play(name: str, seed: int, on: Any) -> None:
+        with pytest.raises(AsyncRunnerError, match="closed while"):
+            await runner.run(1, max_iter=10, agent_seeds=[seed], sinks=[CallbackSink(on)])
+        log.append(name)
+
+    async with runner:
+        with anyio.fail_after(120):
+            async with anyio.create_task_group() as group:
+                group.start_soon(play, "B", 12, on_b)  # hangs in act
+                group.start_soon(play, "A", 1, on_a)
+    assert log == ["B", "closed", "A"]
+
+
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # unclosed: says so
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])
 async def test_a_runner_dropped_unclosed_leaves_no_worker_once_collected(env: Any) -> None:
