@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import contextlib
 import os
+import subprocess
+import sys
 import warnings
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -15,6 +18,22 @@ from grid2op.Agent import BaseAgent
 # For a test whose behaviour depends on the event loop (channel, cancellation, streams, central
 # agents, backpressure, the pool): run it on asyncio and trio. Everything else runs on asyncio.
 BOTH_LOOPS = pytest.mark.parametrize("anyio_backend", ["asyncio", "trio"])
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def run_script(script: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """``python SCRIPT ARGS`` in the script's folder, as a user runs theirs (its classes in
+    ``__main__``), with this checkout importable (``tests.conftest``); 300 s at most."""
+    path = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
+    return subprocess.run(
+        [sys.executable, str(script), *args],
+        env={**os.environ, "PYTHONPATH": path},
+        cwd=script.parent,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def starts() -> tuple[list[Any], Any]:

@@ -13,8 +13,6 @@ import json
 import logging
 import multiprocessing
 import os
-import subprocess
-import sys
 import warnings
 from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
@@ -37,7 +35,7 @@ from asyncrunner import AsyncRunner
 from asyncrunner.compat import _runner as compat
 
 from .conftest import make_env
-from .helpers import grid2ops
+from .helpers import grid2ops, run_script
 
 
 def seeds(nb_episode: int) -> dict[str, Any]:
@@ -213,11 +211,7 @@ def test_script_agent_class_keeps_its_globals_in_the_script(tmp_path: Any) -> No
     # By reference, as before: by value, the class would drag its unpicklable global along.
     script = tmp_path / "script.py"
     script.write_text(SCRIPT)
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run(
-        [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300
-    )
+    done = run_script(script)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip().splitlines()[-1] == "[5, 5]"
 
@@ -263,11 +257,7 @@ def test_a_script_agent_class_plays_on_a_loky_executor(tmp_path: Any) -> None:
     # attribute 'ScriptAgent' on <module 'loky.backend.popen_loky_posix'>").
     script = tmp_path / "script.py"
     script.write_text(LOKY_SCRIPT)
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run(
-        [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300
-    )
+    done = run_script(script)
     assert done.returncode == 0, done.stderr[-3000:]
     mine, theirs = json.loads(done.stdout.strip().splitlines()[-1])
     assert mine == theirs

@@ -9,8 +9,6 @@ import inspect
 import multiprocessing
 import os
 import shutil
-import subprocess
-import sys
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -29,7 +27,7 @@ from grid2op.Runner import Runner as GridRunner
 from asyncrunner import AsyncRunner, EpisodeError, compat
 
 from .conftest import LightSimBackend, make_env
-from .helpers import SampleAgent, grid2ops, quiet
+from .helpers import SampleAgent, grid2ops, quiet, run_script
 
 GRID2OP_DATA = Path(grid2op.__file__).parent / "data"
 
@@ -606,15 +604,6 @@ def test_runners_of_two_threads_fork_workers_that_start_sound(tmp_path: Path) ->
     # SystemError"; 6 in a run like this one): their `random` was not reseeded.
     script = tmp_path / "service.py"
     script.write_text(THREADS_SCRIPT)
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run(
-        [sys.executable, str(script)],
-        env=env,
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    done = run_script(script)
     assert done.returncode == 0 and done.stdout.strip() == "done 2", done.stderr[-3000:]
     assert "Exception ignored" not in done.stderr, done.stderr[-3000:]

@@ -32,7 +32,15 @@ from asyncrunner import (
 from asyncrunner._engine._envs import release
 from asyncrunner.sinks import CallbackSink
 
-from .helpers import BOTH_LOOPS, alive, children, starts, wait_dead, wait_no_children
+from .helpers import (
+    BOTH_LOOPS,
+    alive,
+    children,
+    run_script,
+    starts,
+    wait_dead,
+    wait_no_children,
+)
 
 pytestmark = pytest.mark.anyio
 
@@ -641,15 +649,7 @@ def test_a_forked_worker_imports_nothing_while_it_plays_and_saves(tmp_path: Any)
     worker imports nothing."""
     script, out = tmp_path / "script.py", tmp_path / "modules.jsonl"
     script.write_text(IMPORTS_SCRIPT)
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run(
-        [sys.executable, str(script), str(out)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    done = run_script(script, str(out))
     assert done.returncode == 0, done.stderr
     first, second = (set(json.loads(line)) for line in out.read_text().splitlines())
     assert (tmp_path / "saved").is_dir()
