@@ -102,6 +102,25 @@ async def test_a_worker_busy_as_the_pool_stops_is_stopped_when_its_call_ends() -
     assert pid and not alive(pid) and not pool._idle
 
 
+# the workers collected unclosed: "unclosed socket"
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+async def test_workers_collected_unclosed_leave_no_number_a_new_worker_closes() -> None:
+    # A pool dropped without closing it (a runner never closed): its workers' socket numbers
+    # stayed listed as ends to close after a fork, and a later worker whose own socket got one
+    # of them closed it at its start ("worker process ... ended (exit code 0)").
+    dropped = ForkPool(anyio.CapacityLimiter(2))
+    async with anyio.create_task_group() as group:
+        for _ in range(2):
+            group.start_soon(dropped.submit, naps, 0.2)
+    del dropped, group
+    gc.collect()
+    pool = ForkPool(anyio.CapacityLimiter(1))
+    try:
+        assert (await pool.call(pid_plus, 1))[1] == 2
+    finally:
+        await pool.aclose()
+
+
 async def test_an_error_comes_back_and_the_worker_stays() -> None:
     pool = ForkPool(anyio.CapacityLimiter(1))
     pid, _ = await pool.call(pid_plus, 0)

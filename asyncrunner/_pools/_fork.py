@@ -27,6 +27,7 @@ import socket
 import threading
 import traceback
 import warnings
+import weakref
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -147,8 +148,10 @@ def _call_frame(fn: Callable[..., Any], args: tuple[Any, ...]) -> bytes:
 
 # The parent-side socket ends of this process's live workers, every pool's: a worker forked
 # later closes its copies, or the worker at the other end would not see its pool stop (closing
-# a runner waited its grace, then killed, each worker another runner's later fork held).
-_PARENT_ENDS: set[int] = set()
+# a runner waited its grace, then killed, each worker another runner's later fork held). The
+# sockets, not their numbers: a worker collected unclosed (a runner never closed) left its
+# number here, which a later worker's own socket could get, and close at its start.
+_PARENT_ENDS: weakref.WeakSet[socket.socket] = weakref.WeakSet()
 _PARENT_ENDS_LOCK = threading.Lock()
 
 
@@ -167,8 +170,8 @@ class _Worker:
                 "ignore", "This process .* is multi-threaded", DeprecationWarning
             )
             with _PARENT_ENDS_LOCK:
-                _PARENT_ENDS.add(mine.fileno())
-                ends = [*_PARENT_ENDS]
+                _PARENT_ENDS.add(mine)
+                ends = [fd for fd in (s.fileno() for s in _PARENT_ENDS) if fd != -1]
             self.process = context.Process(target=_serve, args=(child, ends), daemon=True)
             self.process.start()
         child.close()
@@ -205,9 +208,8 @@ class _Worker:
 
     def close(self) -> None:
         """Close this side of the worker's socket (it then exits, once idle)."""
-        with _PARENT_ENDS_LOCK:  # out of the set before its number can be reused
-            _PARENT_ENDS.discard(self.conn.sock.fileno())
-        self.conn.sock.close()
+        with _PARENT_ENDS_LOCK:  # not while a fork lists the ends' numbers
+            self.conn.sock.close()
 
 
 class ForkPool(WorkerPool):
@@ -251,20 +253,22 @@ class ForkPool(WorkerPool):
             except BaseException as exc:
                 self._busy.discard(worker)
                 if isinstance(exc, Exception) and not isinstance(exc, BrokenWorkerProcess):
-                    self._idle.append(worker)  # the function raised: the worker is fine
-                    if self._stopped:
-                        await self.stop()
+                    await self._free(worker)  # the function raised: the worker is fine
                 else:  # cancelled (or dead): a worker mid-call is killed
                     with anyio.CancelScope(shield=True):
                         await anyio.to_thread.run_sync(worker.kill, limiter=self._threads)
                 raise
             self._busy.discard(worker)
-            self._idle.append(worker)
-            if self._stopped:
-                await self.stop()
+            await self._free(worker)
             return result
         finally:
             self.limiter.release()
+
+    async def _free(self, worker: _Worker) -> None:
+        """``worker`` ended its call: idle, or stopped if the pool stopped meanwhile."""
+        self._idle.append(worker)
+        if self._stopped:
+            await self.stop()
 
     def _idle_worker(self) -> _Worker | None:
         """An idle worker that is alive: one that died idle (the OOM killer, between runs) is
