@@ -90,8 +90,8 @@ class AsyncRunner(AsyncResource):
     ``agent``: a ``BaseAgent`` subclass (built in the worker with the env's action space), an
     instance (copied for each episode, as grid2op does) or a callable ``(action_space) -> agent``
     (a lambda or a class defined in a function too: what workers cannot import goes by value).
-    ``workers``: episodes run at once (default: the CPUs this process may use; local processes: at most 64 per CPU,
-    started as episodes need them). ``executor``: ``None`` for local
+    ``workers``: episodes run at once (default: the CPUs this process may use; local processes:
+    at most 64 per CPU, started as episodes need them). ``executor``: ``None`` for local
     processes (forked from this one on Linux, ``anyio.to_process`` elsewhere), a
     ``concurrent.futures.Executor``, or a Dask cluster (a ``distributed.Client``, a scheduler
     address or an ``asyncrunner.DaskExecutor``).
@@ -319,7 +319,7 @@ class AsyncRunner(AsyncResource):
                     "for each"
                 )
             warming = self._pool is not None and self._pool.warming
-            if (self._playing or warming) and _closed(self._loop):
+            if (self._playing or warming) and _loop_closed(self._loop):
                 raise AsyncRunnerError(
                     "the event loop that used this AsyncRunner was closed with its work unfinished "
                     "(loop.close() with tasks pending; asyncio.run cancels them first): another "
@@ -542,7 +542,7 @@ class AsyncRunner(AsyncResource):
                     group.cancel_scope.cancel()
 
 
-def _closed(loop: tuple[str, object]) -> bool:
+def _loop_closed(loop: tuple[str, object]) -> bool:
     """Whether an asyncio loop was closed (its tasks never run again; a trio run ends only
     once its tasks did)."""
     return isinstance(loop[1], asyncio.AbstractEventLoop) and loop[1].is_closed()

@@ -9,8 +9,8 @@ milliseconds; ``null`` where a figure was not measured, e.g. ``grid2op`` under `
   ``sweep_workers`` (the counts ``--workers`` listed), ``max_iter``, ``seed``, ``loop``
   (``"asyncio"`` / ``"trio"``), ``copy_env`` (``--copy-env``), ``repeat`` (``--repeat``),
   ``episode_ids``, ``env_seeds``,
-  ``agent_seeds`` (what every contender played), ``cpu_count`` (the CPUs the bench may use), ``versions``
-  (``python``, ``grid2op``, ``lightsim2grid``, ``anyio``, ``asyncrunner``: str or null).
+  ``agent_seeds`` (what every contender played), ``cpu_count`` (the CPUs the bench may use),
+  ``versions`` (``python``, ``grid2op``, ``lightsim2grid``, ``anyio``, ``asyncrunner``: str or null).
 - ``lag_probe``: ``enabled`` (``--lag-probe``, the default), ``tick_ms`` (1.0),
   ``cpu_us_per_wakeup`` (CPU this process spends per wake-up of the ticker, measured for 0.5 s
   with nothing else running, before the lag pass; null when disabled).

@@ -81,7 +81,10 @@ def build_parser() -> tuple[Parser, Parser]:
         type=at_least(1),
         default=None,
         metavar="N",
-        help="episodes played at once, one worker process each (default: the CPUs this process may use)",
+        help=(
+            "episodes played at once, one worker process each "
+            "(default: the CPUs this process may use)"
+        ),
     )
     run.add_argument(
         "--scheduler",

@@ -89,7 +89,10 @@ def _parser() -> Parser:
         type=at_least(1),
         default=None,
         metavar="W",
-        help="worker processes in all, for every agent and reference (default: the CPUs this process may use)",
+        help=(
+            "worker processes in all, for every agent and reference "
+            "(default: the CPUs this process may use)"
+        ),
     )
     parser.add_argument(
         "--save",
