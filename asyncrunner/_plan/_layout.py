@@ -7,6 +7,7 @@ the results read back from a folder.
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import hashlib
 import json
@@ -26,7 +27,14 @@ if sys.platform != "win32":
 
 from .._model import EpisodeRequest, EpisodeResult
 
-__all__ = ["damage", "resume_plan", "saved_episodes", "sync"]
+__all__ = [
+    "damage",
+    "one_flush_covers",
+    "resume_plan",
+    "saved_episodes",
+    "sync",
+    "sync_file_system",
+]
 
 # The run-level files grid2op writes once at the top of ``path_save`` (keys of RunStarted.spaces).
 SPACE_FILES = (
@@ -63,9 +71,16 @@ def sync(paths: Sequence[str]) -> None:
     """Flush files, or a folder's entries (names created or renamed in it), to the disk.
 
     Without it a power loss after the rename that publishes an episode can leave it complete
-    in name and empty in content. The ``fsync`` calls run at once: the file system then commits
-    them together (here 14 in a row took about 8 ms each; at once, about as long as one).
+    in name and empty in content. Several paths on one local disk's file system (an episode's
+    files and their folder) are flushed by one ``syncfs`` of it while little else waits to be
+    written there (``_one_flush_covers``): an ``fsync`` per file cost about 2 ms of CPU per
+    episode here, ``syncfs`` 0.2 ms. Otherwise the ``fsync`` calls run at once: the file system
+    then commits them together (here 14 in a row took about 8 ms each; at once, about as long
+    as one).
     """
+    if len(paths) > 1 and one_flush_covers(paths):
+        sync_file_system(paths[0])
+        return
     if len(paths) == 1 or _address_space_capped():
         for path in paths:
             _fsync(path)
@@ -76,6 +91,80 @@ def sync(paths: Sequence[str]) -> None:
     except RuntimeError:  # no thread could start (a container's limit on processes)
         for path in paths:
             _fsync(path)
+
+
+# File systems whose ``syncfs`` writes every file's data and names, and commits them, as an
+# ``fsync`` of each would (statfs magic numbers): ext2/3/4, XFS, Btrfs, F2FS. Not network or
+# FUSE file systems, where ``fsync`` reaches the server and ``syncfs`` may not.
+_LOCAL_DISK_FILE_SYSTEMS = {0xEF53, 0x58465342, 0x9123683E, 0xF2F52010}
+# ``syncfs`` waits for everything waiting to be written on the file system, other programs'
+# too: used only while the whole machine has less than this to write.
+_DIRTY_MAX = 64 << 20
+
+
+def one_flush_covers(paths: Sequence[str]) -> bool:
+    """Whether one ``sync_file_system`` flushes ``paths`` as an ``fsync`` of each would, and
+    cheaply: Linux, all of them on one local disk's file system, and little data waiting to be
+    written on the machine."""
+    if _LIBC is None:
+        return False
+    try:
+        device = os.stat(paths[0]).st_dev
+        if any(os.stat(path).st_dev != device for path in paths[1:]):
+            return False
+    except OSError:
+        return False  # the fsync of each says what is wrong
+    return _file_system_type(paths[0]) in _LOCAL_DISK_FILE_SYSTEMS and _dirty_bytes() < _DIRTY_MAX
+
+
+def _file_system_type(path: str) -> int | None:
+    """The ``f_type`` of ``statfs(path)`` (Linux), ``None`` when it cannot be read."""
+    assert _LIBC is not None
+    buffer = ctypes.create_string_buffer(256)  # struct statfs: 120 bytes on 64-bit Linux
+    if _LIBC.statfs(os.fsencode(path), buffer) != 0:
+        return None
+    # f_type comes first, a C long: its magic numbers read as unsigned 32-bit values.
+    return ctypes.c_long.from_buffer(buffer).value & 0xFFFFFFFF
+
+
+def _dirty_bytes() -> int:
+    """Data waiting to be written to disks, machine-wide (``Dirty`` and ``Writeback``)."""
+    total = 0
+    try:
+        with open("/proc/meminfo", "rb") as f:
+            for line in f:
+                if line.startswith((b"Dirty:", b"Writeback:")):
+                    total += int(line.split()[1]) << 10
+    except (OSError, ValueError, IndexError):
+        return _DIRTY_MAX
+    return total
+
+
+def sync_file_system(path: str) -> None:
+    """Flush the file system of ``path`` to the disk (``syncfs``): every file written there,
+    and every name (see ``one_flush_covers``)."""
+    assert _LIBC is not None
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        if _LIBC.syncfs(fd) != 0:  # write errors are reported since Linux 5.8
+            error = ctypes.get_errno()
+            raise OSError(error, os.strerror(error), path)
+    finally:
+        os.close(fd)
+
+
+def _linux_libc() -> ctypes.CDLL | None:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.syncfs, libc.statfs  # noqa: B018  # both there (glibc >= 2.14, musl)
+    except (OSError, AttributeError):
+        return None
+    return libc
+
+
+_LIBC = _linux_libc()
 
 
 def _address_space_capped() -> bool:
