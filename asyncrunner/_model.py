@@ -124,8 +124,8 @@ class StepBatch:
 class Staged:
     """An episode's files, written by its worker in ``folder``: a hidden folder inside the
     writer's own (``Writer.stage``), which the writer moves into place. ``flushed``: the worker
-    flushed them to the disk; otherwise one flush of their file system does it (``sync``), which
-    the writer makes before the move, off the worker's time.
+    flushed them to the disk; otherwise the writer does (``sync``) before the move, off the
+    worker's time.
     """
 
     folder: str
