@@ -122,14 +122,11 @@ class StepBatch:
 
 @dataclass(frozen=True)
 class Staged:
-    """An episode's files, written by its worker in ``folder``: a hidden folder inside the
-    writer's own (``Writer.stage``), which the writer moves into place. ``flushed``: the worker
-    flushed them to the disk; otherwise the writer does (``sync``) before the move, off the
-    worker's time.
-    """
+    """An episode's files, written and flushed to the disk by its worker in ``folder``: a
+    hidden folder inside the writer's own (``Writer.stage``), which the writer only moves into
+    place."""
 
     folder: str
-    flushed: bool = True
 
 
 @dataclass(frozen=True)

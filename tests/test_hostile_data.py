@@ -626,43 +626,6 @@ def test_files_are_flushed_one_by_one_where_one_syncfs_would_not_do(
     assert {what for what, _, _ in log} == {"fsync"}
 
 
-@pytest.mark.parametrize("busy", [False, True], ids=["quiet disk", "busy disk at the flush"])
-async def test_a_saved_episode_is_flushed_before_it_is_placed(
-    case14: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, busy: bool
-) -> None:
-    """Forked workers write an episode's files in the writer's stage and, on a local disk, leave
-    their flush to the writer: it flushes each file and the folder before moving it into place,
-    with one ``syncfs`` first unless much is waiting to be written by then (here from after the
-    workers staged the episode: checked by the writer, not only by the worker)."""
-    path = _on_a_local_disk(tmp_path) / "saved"
-    rename = os.rename
-    async with AsyncRunner(case14, agent=DoNothingAgent, workers=2) as runner:
-        with anyio.fail_after(TIMEOUT):
-            await runner.run(2, max_iter=1)  # both workers started, with a quiet disk
-        log = _log_flushes(monkeypatch)
-
-        def logged_rename(src: Any, dst: Any) -> None:
-            rename(src, dst)
-            log.append(("rename", os.fspath(dst), os.fspath(src)))
-
-        monkeypatch.setattr(os, "rename", logged_rename)
-        if busy:
-            _busy_disk(monkeypatch)
-        with anyio.fail_after(TIMEOUT):
-            results = await runner.run(3, max_iter=3, path_save=path)
-        monkeypatch.undo()
-    for result in results:
-        assert result.path is not None
-        (renamed,) = [i for i, (what, dst, _) in enumerate(log) if dst == result.path]
-        staged = log[renamed][2]
-        before = log[:renamed]
-        for flushed in [staged, *(f"{staged}/{name}" for name in os.listdir(result.path))]:
-            assert ("fsync", flushed, "") in before, flushed
-        syncfs = [p for what, p, _ in before if what == "syncfs" and p.startswith(staged)]
-        assert len(syncfs) == int(not busy)
-        assert ("fsync", str(path), "") in log[renamed:]
-
-
 def _cap_address_space(pid: int, headroom: int) -> tuple[int, int]:
     """Cap ``pid``'s address space at its size now plus ``headroom`` (as ``ulimit -v`` does);
     returns the limits it had."""

@@ -128,9 +128,9 @@ async def test_each_mixs_episodes_are_written_by_the_workers(
     written: list[str] = []
     write_files = _writer.write_files
 
-    def recorded(folder: str, files: Any) -> list[str]:
+    def recorded(folder: str, files: Any) -> None:
         written.append(folder)  # in a forked worker, into that worker's own copy of the list
-        return write_files(folder, files)
+        write_files(folder, files)
 
     monkeypatch.setattr(_writer, "write_files", recorded)
     async with AsyncRunner(multimix, agent=SampleAgent, workers=2) as runner:

@@ -27,7 +27,7 @@ if sys.platform != "win32":
 
 from .._model import EpisodeRequest, EpisodeResult
 
-__all__ = ["damage", "one_flush_covers", "resume_plan", "saved_episodes", "sync"]
+__all__ = ["damage", "resume_plan", "saved_episodes", "sync"]
 
 # The run-level files grid2op writes once at the top of ``path_save`` (keys of RunStarted.spaces).
 SPACE_FILES = (
@@ -67,13 +67,13 @@ def sync(paths: Sequence[str]) -> None:
     in name and empty in content. Each path gets an ``fsync``: it reports a write error of its
     own file, where ``syncfs`` reports the file system's errors to whichever caller asks first
     (and none before Linux 5.8). Several paths on one local disk's file system, while little
-    waits to be written (``one_flush_covers``), are first written out together by one
+    waits to be written (``_syncfs_covers``), are first written out together by one
     ``syncfs``: the ``fsync`` calls that follow find their data on the disk (here about 0.4 ms
     of CPU per episode in all, against 2 ms for the ``fsync`` calls alone). Otherwise the
     ``fsync`` calls run at once: the file system then commits them together (here 14 in a row
     took about 8 ms each; at once, about as long as one).
     """
-    if len(paths) > 1 and one_flush_covers(paths):
+    if len(paths) > 1 and _syncfs_covers(paths):
         _syncfs(paths[0])
         for path in paths:
             _fsync(path)
@@ -99,7 +99,7 @@ _LOCAL_DISK_FILE_SYSTEMS = {0xEF53, 0x58465342, 0x9123683E, 0xF2F52010}
 _DIRTY_MAX = 64 << 20
 
 
-def one_flush_covers(paths: Sequence[str]) -> bool:
+def _syncfs_covers(paths: Sequence[str]) -> bool:
     """Whether one ``syncfs`` writes ``paths`` out as an ``fsync`` of each would, and cheaply:
     Linux, all of them on one local disk's file system, and little data waiting to be written
     on the machine (``sync``)."""
