@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import errno
 import gc
 import inspect
 import multiprocessing
@@ -203,6 +204,52 @@ def test_a_with_block_keeps_one_pool_and_saving_replaces_like_grid2op(
     for pid in pids:  # the workers stopped with the block
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
+
+
+@pytest.mark.parametrize("failing", ["moving the kept files", "the old folder aside", "placing"])
+def test_a_full_disk_while_replacing_a_folder_keeps_it_and_raises_oserror(
+    env: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, failing: str
+) -> None:
+    """Replacing an episode's folder moves the other files in it (a replay's frames, notes) into
+    the new one, sets the old one aside and renames the new one into place: a rename that fails
+    there (a directory that must grow on a full disk: ENOSPC) deleted the files already moved
+    with the new folder. grid2op's Runner, writing over the old files, keeps them and raises
+    its ``OSError``; so does this one now, not an ``asyncrunner.SinkError``."""
+    path = tmp_path / "runs"
+    kwargs: dict[str, Any] = dict(nb_episode=1, env_seeds=[5], agent_seeds=[7], nb_process=1)
+    folder = path / "0000"
+    with compat_runner(env, agentClass=DoNothingAgent) as runner:
+        runner.run(path_save=path, max_iter=4, **kwargs)
+        for k in range(5):
+            (folder / f"plot_{k}.png").write_bytes(b"a frame %d" % k)
+        before = {entry.name: entry.read_bytes() for entry in folder.iterdir()}
+        rename = os.rename
+        moved: list[str] = []
+        failed: list[str] = []  # once: renaming back goes where the failed one went
+
+        def full_disk(src: Any, dst: Any) -> None:
+            src, dst = os.fspath(src), os.fspath(dst)
+            if not failed:
+                if failing == "moving the kept files" and os.path.dirname(src) == str(folder):
+                    moved.append(src)
+                    fails = len(moved) == 4
+                elif failing == "the old folder aside":
+                    fails = src == str(folder)
+                else:
+                    fails = dst == str(folder)
+                if fails:
+                    failed.append(src)
+                    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), src)
+            rename(src, dst)
+
+        monkeypatch.setattr(os, "rename", full_disk)
+        with pytest.raises(OSError, match="No space left") as raised:
+            runner.run(path_save=path, max_iter=6, **kwargs)
+        monkeypatch.undo()
+    assert raised.value.errno == errno.ENOSPC
+    assert {entry.name: entry.read_bytes() for entry in folder.iterdir()} == before
+    assert len(EpisodeData.from_disk(str(path), "0000").actions) == 4  # the first run's
+    assert [name for name in os.listdir(path) if name.startswith(".")] == []
 
 
 def test_the_runners_parameters_as_they_are_when_it_runs(env: Any) -> None:

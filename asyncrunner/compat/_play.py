@@ -11,7 +11,7 @@ import numpy as np
 from grid2op.Exceptions import EnvError
 
 from .._engine._recipe import env_key
-from .._exceptions import EpisodeError
+from .._exceptions import EpisodeError, SinkError
 from .._model import EpisodeFailed, EpisodeResult
 from .._runner import AsyncRunner
 from ..sinks._base import Sink
@@ -144,6 +144,11 @@ def call(
         if original is None:
             raise
         raise original from exc  # as multiprocessing raises a worker's, its traceback the cause
+    except SinkError as exc:
+        # Saving failed (a full disk...): grid2op's Runner raises what its writing raised.
+        if not isinstance(exc.__cause__, Exception):
+            raise
+        raise exc.__cause__ from exc
     finally:
         if not keep:
             session.close()

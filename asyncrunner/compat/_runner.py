@@ -47,7 +47,8 @@ Where it differs from grid2op's Runner:
 - A failed episode raises the agent's or env's own exception, as grid2op's Runner does (a copy
   pickled in the worker, as multiprocessing's), caused by an ``asyncrunner.EpisodeError`` that
   holds the worker's traceback; the ``EpisodeError`` itself when the exception cannot be
-  pickled (or unpickled here).
+  pickled (or unpickled here). Saving that fails (a full disk) raises what the writing raised,
+  caused by an ``asyncrunner.SinkError``.
 - ``mp_context`` is not used: workers are asyncrunner's (forked on Linux, fresh interpreters
   elsewhere), whatever the context asked.
 """

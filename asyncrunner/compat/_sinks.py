@@ -20,17 +20,29 @@ class ReplacingWriter(EpisodeDataWriter):
     def _move_into_place(self, folder: str, name: str) -> str:
         target = os.path.join(self.path, name)
         aside = self._new_tmp(self.path)
+        kept: list[str] = []  # the old folder's other entries, moved into the new one
+        set_aside = False
         try:
             with self._lock:
-                kept = []
-                if os.path.isdir(target) and not os.path.islink(target):
-                    written = set(os.listdir(folder))
-                    kept = [entry for entry in os.listdir(target) if entry not in written]
+                try:
+                    if os.path.isdir(target) and not os.path.islink(target):
+                        written = set(os.listdir(folder))
+                        for entry in os.listdir(target):
+                            if entry not in written:
+                                os.rename(os.path.join(target, entry), os.path.join(folder, entry))
+                                kept.append(entry)
+                    if os.path.lexists(target):
+                        os.rename(target, aside)
+                        set_aside = True
+                    os.rename(folder, target)
+                except BaseException:
+                    # A full disk can fail a rename: the old folder and the entries kept in it go
+                    # back (renamed back where they were), before ``folder`` is removed.
+                    if set_aside:
+                        os.rename(aside, target)
                     for entry in kept:
-                        os.rename(os.path.join(target, entry), os.path.join(folder, entry))
-                if os.path.lexists(target):
-                    os.rename(target, aside)
-                os.rename(folder, target)
+                        os.rename(os.path.join(folder, entry), os.path.join(target, entry))
+                    raise
                 if kept:
                     sync([target])  # the entries moved in
         finally:
