@@ -7,6 +7,7 @@ Most cases call the CLI's ``main(argv)`` in this process (fast); the subprocess 
 
 from __future__ import annotations
 
+import errno
 import os
 import shlex
 import shutil
@@ -485,6 +486,46 @@ def test_ctrl_c_reports_what_finished_and_the_printed_command_resumes(tmp_path: 
         "0002",
     ]
     assert not [p for p in (tmp_path / "runs").iterdir() if p.name.startswith(".")]
+
+
+def test_a_full_disk_reports_what_was_saved_and_how_to_resume(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Saving failed (the disk full after the first episode): a 50-line traceback through
+    asyncio and anyio, no table, no word of the episode saved nor of ``--resume``. Now what
+    Ctrl-C gets: the table, what is saved where, the command that plays the rest."""
+    from asyncrunner.sinks import EpisodeDataWriter
+
+    place = EpisodeDataWriter._place
+    placed: list[str] = []
+
+    def full_disk(self: EpisodeDataWriter, started: Any, folder: str) -> str:
+        if placed:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), folder)
+        placed.append(place(self, started, folder))
+        return placed[-1]
+
+    monkeypatch.setattr(EpisodeDataWriter, "_place", full_disk)
+    runs = str(tmp_path / "runs")
+    argv = ["run", "-n", "3", "-w", "1", "--max-iter", "3", "--seed", "0", "--save", runs]
+    code, out, err, _ = _main(argv, capsys)
+    assert code == 1, err
+    assert "Traceback" not in err
+    assert "No space left on device" in err
+    assert [line.split()[1] for line in out.splitlines()[1:2]] == ["0000"]  # saved, first
+    assert "1 saved in " + runs + ": 0000" in err
+    command = err.split("resume with: ", 1)[1].strip()
+    assert command == "asyncrunner " + shlex.join([*argv, "--resume"])
+
+    monkeypatch.undo()
+    code, out, err, _ = _main(shlex.split(command)[1:], capsys)
+    assert code == 0, err
+    assert "2/3 episodes played, 1 already saved in" in out
+    assert sorted(n for n in os.listdir(runs) if not n.startswith(("dict_", "."))) == [
+        "0000",
+        "0001",
+        "0002",
+    ]
 
 
 def test_run_starts_its_forked_workers_from_copies_of_the_env_it_made(

@@ -17,6 +17,7 @@ import warnings
 from collections.abc import Sequence
 from dataclasses import replace as _replace
 
+from .._exceptions import SinkError
 from .._model import (
     EpisodeResult,
 )
@@ -188,8 +189,13 @@ def run_command(args: argparse.Namespace, parser: Parser, argv: list[str]) -> in
         finally:
             settings.env.close()
     except KeyboardInterrupt:
-        _report_interrupt(settings, args, argv)
+        _report_stopped(settings, args, argv, "interrupted")
         return 130
+    except SinkError as exc:  # saving failed (a full disk...): the run stopped
+        cause = exc.__cause__
+        why = f"{type(cause).__name__}: {cause}" if cause is not None else str(exc)
+        _report_stopped(settings, args, argv, f"stopped: {why}")
+        return 1
     _print_table(results, seeded=args.seed is not None)
     failed = [r for r in results if r.error is not None]
     # With --resume, what was read back from disk rather than played.
@@ -238,8 +244,11 @@ def _note_earlier_run(save: str) -> None:
         )
 
 
-def _report_interrupt(settings: Settings, args: argparse.Namespace, argv: list[str]) -> None:
-    """After Ctrl-C: what finished, where it is saved, and the command that plays the rest."""
+def _report_stopped(
+    settings: Settings, args: argparse.Namespace, argv: list[str], why: str
+) -> None:
+    """After Ctrl-C or a failed sink: what finished, where it is saved, and the command that
+    plays the rest."""
     tracker = settings.tracker
     done = [tracker.finished[i] for i in sorted(tracker.finished)]
     if args.save is not None:
@@ -255,7 +264,7 @@ def _report_interrupt(settings: Settings, args: argparse.Namespace, argv: list[s
     if done:
         _print_table(done, seeded=args.seed is not None)
     print(
-        f"asyncrunner: interrupted; {len(done)}/{settings.nb_episode} episodes finished",
+        f"asyncrunner: {why}; {len(done)}/{settings.nb_episode} episodes finished",
         file=sys.stderr,
     )
     if args.save is None:
