@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import errno
 import os
+import tempfile
 from typing import Any
 
 import pytest
@@ -61,6 +63,16 @@ def test_requests_follow_grid2op_conventions() -> None:
     assert [r.episode_id for r in plain] == [0, 1, 2, 0]  # chronics in turn, wrapping around
     named = plan_episodes(2, names=None, episode_id=["0001", 5])
     assert [r.episode_id for r in named] == ["0001", 5]  # no names to check against
+
+
+def test_a_full_disk_says_to_free_space(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    # "give a folder you can write to" sent the user looking at permissions.
+    def full(*args: Any, **kwargs: Any) -> Any:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(tempfile, "mkstemp", full)
+    with pytest.raises(ValueError, match=r"No space left on device.*free some space"):
+        check_path_save(tmp_path)
 
 
 def test_path_save_must_be_a_writable_folder(tmp_path: Any) -> None:

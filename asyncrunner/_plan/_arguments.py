@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import numbers
 import os
 import tempfile
@@ -369,7 +370,8 @@ def check_path_save(
         os.unlink(probe)
     except OSError as exc:
         what = "is not writable" if ancestor == folder else "cannot be created"
-        raise ValueError(
-            f"`{name}` {folder!r} {what} ({exc.strerror or exc}): give a folder you can write to"
-        ) from None
+        fix = "give a folder you can write to"
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            fix = "free some space on its disk (or quota), or give a folder on another disk"
+        raise ValueError(f"`{name}` {folder!r} {what} ({exc.strerror or exc}): {fix}") from None
     return folder
