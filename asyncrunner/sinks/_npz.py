@@ -126,8 +126,7 @@ def _deflate(value: np.ndarray | Padded) -> tuple[list[bytes], int, int]:
     parts += [_padding(fill, top)] * (pad >> top)
     parts += (_padding(fill, k) for k in range(top) if pad >> k & 1)
     parts.append(_FINAL)
-    pad_crc, shift = _padding_crc(fill, pad)
-    return parts, _multmodp(shift, crc) ^ pad_crc, size + len(fill) * pad
+    return parts, _combine(crc, _padding_crc(fill, pad), len(fill) * pad), size + len(fill) * pad
 
 
 class _Bytes:
@@ -157,24 +156,38 @@ def _padding(fill: bytes, k: int) -> bytes:
 
 
 @functools.lru_cache(maxsize=4096)
-def _padding_crc(fill: bytes, pad: int) -> tuple[int, int]:
-    """The CRC-32 of ``pad`` rows ``fill``, and what shifts a CRC past them."""
-    crc, shift = 0, 1 << 31  # of nothing: 0, and x^0
+def _padding_crc(fill: bytes, pad: int) -> int:
+    """The CRC-32 of ``pad`` rows ``fill``."""
+    crc = 0  # of nothing
     for k in range(pad.bit_length()):
         if pad >> k & 1:
-            rows_crc, rows_shift = _rows_crc(fill, k)
-            crc = _multmodp(rows_shift, crc) ^ rows_crc
-            shift = _multmodp(rows_shift, shift)
-    return crc, shift
+            crc = _combine(crc, _rows_crc(fill, k), len(fill) << k)
+    return crc
 
 
 @functools.lru_cache(maxsize=1024)
-def _rows_crc(fill: bytes, k: int) -> tuple[int, int]:
-    """The CRC-32 of ``2**k`` rows ``fill`` (from half as many), and the shift past them."""
+def _rows_crc(fill: bytes, k: int) -> int:
+    """The CRC-32 of ``2**k`` rows ``fill`` (from half as many)."""
     if k == 0:
-        return zlib.crc32(fill), _x2nmodp(len(fill), 3)
-    crc, shift = _rows_crc(fill, k - 1)
-    return _multmodp(shift, crc) ^ crc, _multmodp(shift, shift)
+        return zlib.crc32(fill)
+    half = _rows_crc(fill, k - 1)
+    return _combine(half, half, len(fill) << (k - 1))
+
+
+def _combine(crc1: int, crc2: int, len2: int) -> int:
+    """The CRC-32 of ``a + b`` from those of ``a`` and ``b`` and ``len(b)`` (zlib's
+    ``crc32_combine``): ISA-L's where ``isal`` has it (a new padding length took about 0.5 ms
+    per episode of this module's arithmetic in Python), else computed here."""
+    combine = getattr(_deflater, "crc32_combine", None)
+    if combine is not None:
+        return int(combine(crc1, crc2, len2))
+    return _multmodp(_shift(len2), crc1) ^ crc2
+
+
+@functools.lru_cache(maxsize=1024)
+def _shift(n: int) -> int:
+    """x^(8 n) modulo the polynomial: what shifts a CRC past ``n`` bytes."""
+    return _x2nmodp(n, 3)
 
 
 # CRC-32 arithmetic as zlib's crc32_combine does it (polynomials modulo the CRC's, reflected),
