@@ -44,11 +44,15 @@ class EpisodeError(AsyncRunnerError):
 
 class SinkError(AsyncRunnerError):
     """Raised when a sink fails, whatever ``on_error`` says: the run stops, the message names the
-    sink; ``results`` hold the episodes played to their end (``path`` says which were saved)."""
+    sink (``sink``: the sink itself); ``results`` hold the episodes played to their end (``path``
+    says which were saved)."""
 
-    def __init__(self, message: str, results: list[EpisodeResult] | None = None) -> None:
+    def __init__(
+        self, message: str, results: list[EpisodeResult] | None = None, sink: Any = None
+    ) -> None:
         super().__init__(message)
         self.results: list[EpisodeResult] = [] if results is None else results
+        self.sink = sink
 
 
 class WorkerChannelError(AsyncRunnerError):

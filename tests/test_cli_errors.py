@@ -511,7 +511,7 @@ def test_a_full_disk_reports_what_was_saved_and_how_to_resume(
     code, out, err, _ = _main(argv, capsys)
     assert code == 1, err
     assert "Traceback" not in err
-    assert "No space left on device" in err
+    assert "stopped: EpisodeDataWriter failed: OSError: [Errno 28] No space left on device" in err
     assert [line.split()[1] for line in out.splitlines()[1:2]] == ["0000"]  # saved, first
     assert "1 saved in " + runs + ": 0000" in err
     command = err.split("resume with: ", 1)[1].strip()

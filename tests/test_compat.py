@@ -25,7 +25,8 @@ from grid2op.Episode import CompactEpisodeData, EpisodeData
 from grid2op.Reward import BaseReward, L2RPNReward
 from grid2op.Runner import Runner as GridRunner
 
-from asyncrunner import AsyncRunner, EpisodeError, compat
+from asyncrunner import AsyncRunner, EpisodeError, SinkError, compat
+from asyncrunner.compat._sinks import ReplacingWriter
 
 from .conftest import LightSimBackend, make_env
 from .helpers import SampleAgent, grid2ops, quiet, run_script
@@ -247,9 +248,87 @@ def test_a_full_disk_while_replacing_a_folder_keeps_it_and_raises_oserror(
             runner.run(path_save=path, max_iter=6, **kwargs)
         monkeypatch.undo()
     assert raised.value.errno == errno.ENOSPC
+    cause = raised.value.__cause__  # the chain ends: a loop hung `while e.__cause__` walks
+    assert isinstance(cause, SinkError) and cause.__cause__ is None
     assert {entry.name: entry.read_bytes() for entry in folder.iterdir()} == before
     assert len(EpisodeData.from_disk(str(path), "0000").actions) == 4  # the first run's
     assert [name for name in os.listdir(path) if name.startswith(".")] == []
+
+
+def _replacement(tmp_path: Path) -> tuple[ReplacingWriter, Path, str, dict[str, str]]:
+    """A writer, its folder with an episode ``0000`` saved (and a user's frames beside its
+    files), and a new ``0000`` staged to replace it; the contents of the old one's files."""
+    path = tmp_path / "runs"
+    writer = ReplacingWriter(path)
+    old = path / "0000"
+    old.mkdir(parents=True)
+    for name in ("actions.npz", "episode_meta.json", *(f"plot_{k}.png" for k in range(3))):
+        (old / name).write_text(f"old {name}")
+    new = os.path.join(writer.stage(), "new")
+    os.mkdir(new)
+    for name in ("actions.npz", "episode_meta.json"):
+        Path(new, name).write_text(f"new {name}")
+    return writer, path, new, {f.name: f.read_text() for f in old.iterdir()}
+
+
+def _contents(path: Path) -> set[str]:
+    return {f.read_text() for f in path.rglob("*") if f.is_file()}
+
+
+@pytest.mark.parametrize("failing", [(2, 3), (4, 5), (5, 6), (5, 7)])
+def test_what_a_failed_replacement_cannot_put_back_is_kept(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, failing: tuple[int, int]
+) -> None:
+    """A rename of the replacement fails (``failing[0]``: the kept files' moves are renames 1
+    to 3, setting the old folder aside 4, placing 5), then one that puts things back (a disk
+    still full, EIO): the putting back stopped there, and the old folder (set aside) and the
+    user's files (in the new folder) were removed with the work in progress. What cannot go
+    back is now kept in hidden folders that no run removes, which the error names."""
+    writer, path, new, old = _replacement(tmp_path)
+    rename = os.rename
+    calls: list[str] = []
+
+    def failing_rename(src: Any, dst: Any) -> None:
+        calls.append(os.fspath(src))
+        if len(calls) in failing:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), src)
+        rename(src, dst)
+
+    monkeypatch.setattr(os, "rename", failing_rename)
+    with pytest.raises(OSError, match="No space left") as raised:
+        writer._move_into_place(new, "0000")
+    monkeypatch.undo()
+    writer._remove([new])  # as Writer._write_episode does, then the run's end
+    asyncio.run(writer.aclose())
+    assert set(old.values()) <= _contents(path)  # nothing of the old folder lost
+    kept = sorted(p.name for p in path.iterdir() if p.name.startswith(".asyncrunner-kept-0000-"))
+    assert kept
+    (note,) = raised.value.__notes__
+    assert all(name in note for name in kept), note
+
+
+def test_a_folder_placed_meanwhile_by_another_run_loses_nothing(tmp_path: Path) -> None:
+    """Another run saves the same chronic in the same folder between this one's setting the old
+    folder aside and placing its own: both renames fail (the name is taken), and the old
+    episode and the user's files were removed."""
+    writer, path, new, old = _replacement(tmp_path)
+    target = path / "0000"
+    rename = os.rename
+
+    def racing(src: Any, dst: Any) -> None:
+        if os.fspath(dst) == str(target) and os.fspath(src) == new:
+            target.mkdir()
+            (target / "actions.npz").write_text("the other run's")
+        rename(src, dst)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(os, "rename", racing)
+        with pytest.raises(OSError):
+            writer._move_into_place(new, "0000")
+    writer._remove([new])
+    asyncio.run(writer.aclose())
+    assert (target / "actions.npz").read_text() == "the other run's"
+    assert set(old.values()) <= _contents(path)
 
 
 def test_the_runners_parameters_as_they_are_when_it_runs(env: Any) -> None:

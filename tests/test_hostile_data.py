@@ -457,6 +457,11 @@ def _on_a_local_disk(folder: Path) -> Path:
     return folder
 
 
+def _quiet_disk(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Little waiting to be written on the machine, whatever other programs write meanwhile."""
+    monkeypatch.setattr(_layout, "_dirty_bytes", lambda: 0)
+
+
 def _busy_disk(monkeypatch: pytest.MonkeyPatch) -> None:
     """Much waiting to be written on the machine: no ``syncfs`` (``_layout._DIRTY_MAX``)."""
     monkeypatch.setattr(_layout, "_dirty_bytes", lambda: _layout._DIRTY_MAX)
@@ -474,6 +479,7 @@ async def test_files_and_folders_are_synced_around_the_rename(
     threads here, so that this process sees their calls.)"""
     if one_syncfs:
         _on_a_local_disk(tmp_path)
+        _quiet_disk(monkeypatch)
     else:
         _busy_disk(monkeypatch)
     log: list[tuple[str, str, str]] = []
@@ -552,6 +558,7 @@ def test_an_episodes_files_are_written_out_by_one_syncfs_on_a_local_disk(
     one ``syncfs`` of their file system first, which writes them all out, brings the ``fsync``
     calls that follow (each reports its own file's errors) to about 0.4 ms in all."""
     episode = _episode_folder(_on_a_local_disk(tmp_path) / "episode")
+    _quiet_disk(monkeypatch)
     log = _log_flushes(monkeypatch)
     sync(episode)
     assert log == [("syncfs", episode[0], ""), *(("fsync", p, "") for p in episode)]
@@ -565,13 +572,16 @@ def test_a_files_write_error_is_its_own_whatever_syncfs_says(
     ``syncfs`` took the error, and a good one failed when its ``syncfs`` got another's. Each
     file's ``fsync`` reports its own: the episode with the error fails, the others do not."""
     episode = _episode_folder(_on_a_local_disk(tmp_path) / "episode")
+    _quiet_disk(monkeypatch)
     libc: Any = _layout._LIBC
     fsync = os.fsync
 
     class Libc:
         result = 0  # what syncfs returns
+        calls = 0
 
         def syncfs(self, fd: int) -> int:
+            self.calls += 1
             libc.syncfs(fd)
             return self.result
 
@@ -593,6 +603,7 @@ def test_a_files_write_error_is_its_own_whatever_syncfs_says(
     good = _episode_folder(tmp_path / "good")
     fake.result = -1  # syncfs reports an error, another file's
     sync(good)
+    assert fake.calls == 2
 
 
 def test_files_are_flushed_one_by_one_where_one_syncfs_would_not_do(

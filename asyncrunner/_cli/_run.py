@@ -191,10 +191,12 @@ def run_command(args: argparse.Namespace, parser: Parser, argv: list[str]) -> in
     except KeyboardInterrupt:
         _report_stopped(settings, args, argv, "interrupted")
         return 130
-    except SinkError as exc:  # saving failed (a full disk...): the run stopped
+    except SinkError as exc:  # saving (a full disk...) or the progress bar failed: it stopped
         cause = exc.__cause__
-        why = f"{type(cause).__name__}: {cause}" if cause is not None else str(exc)
-        _report_stopped(settings, args, argv, f"stopped: {why}")
+        what = f"{type(cause).__name__}: {cause}" if cause is not None else str(exc)
+        notes = "".join(f" ({note})" for note in getattr(exc, "__notes__", ()))
+        why = f"stopped: {type(exc.sink).__name__} failed: {what}{notes}"
+        _report_stopped(settings, args, argv, why)
         return 1
     _print_table(results, seeded=args.seed is not None)
     failed = [r for r in results if r.error is not None]

@@ -547,7 +547,8 @@ async def _consume(
                     await sink.send(event)
                 except Exception as exc:
                     failed = SinkError(
-                        f"sink {sink!r} failed on {type(event).__name__}: {type(exc).__name__}: {exc}"
+                        f"sink {sink!r} failed on {type(event).__name__}: {type(exc).__name__}: {exc}",
+                        sink=sink,
                     )
                     failed.__cause__ = exc
                     errors.append(failed)
@@ -563,7 +564,8 @@ async def _consume(
                 told = first or failed
                 if told is None:
                     closing = SinkError(
-                        f"sink {sink!r} failed closing (aclose): {type(exc).__name__}: {exc}"
+                        f"sink {sink!r} failed closing (aclose): {type(exc).__name__}: {exc}",
+                        sink=sink,
                     )
                     closing.__cause__ = exc
                     errors.append(closing)

@@ -146,9 +146,11 @@ def call(
         raise original from exc  # as multiprocessing raises a worker's, its traceback the cause
     except SinkError as exc:
         # Saving failed (a full disk...): grid2op's Runner raises what its writing raised.
-        if not isinstance(exc.__cause__, Exception):
+        cause = exc.__cause__
+        if not isinstance(cause, Exception):
             raise
-        raise exc.__cause__ from exc
+        exc.__cause__ = exc.__context__ = None  # the chain ends: no loop back to the cause
+        raise cause from exc
     finally:
         if not keep:
             session.close()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import secrets
 
 from .._model import EpisodeStarted, Event, StepBatch
 from .._plan._layout import sync
@@ -35,19 +36,55 @@ class ReplacingWriter(EpisodeDataWriter):
                         os.rename(target, aside)
                         set_aside = True
                     os.rename(folder, target)
-                except BaseException:
-                    # A full disk can fail a rename: the old folder and the entries kept in it go
-                    # back (renamed back where they were), before ``folder`` is removed.
-                    if set_aside:
-                        os.rename(aside, target)
-                    for entry in kept:
-                        os.rename(os.path.join(folder, entry), os.path.join(target, entry))
+                except BaseException as exc:
+                    # A full disk can fail a rename: what was moved goes back before ``folder``
+                    # is removed, and what cannot is kept, the error says where.
+                    stuck = self._put_back(target, aside if set_aside else None, folder, kept)
+                    if stuck:
+                        exc.add_note(
+                            f"what could not be put back in {target} is kept in " + ", ".join(stuck)
+                        )
                     raise
                 if kept:
                     sync([target])  # the entries moved in
         finally:
             self._remove([aside])
         return target
+
+    def _put_back(self, target: str, aside: str | None, folder: str, kept: list[str]) -> list[str]:
+        """Undo a replacement that failed midway: the old folder (set ``aside``) back to
+        ``target``, the entries ``kept`` from it back from ``folder`` into it. Returns the folders
+        that hold what could not go back, kept out of every removal."""
+        stuck = []
+        if aside is not None:
+            try:
+                os.rename(aside, target)
+            except OSError:
+                stuck.append(self._keep(aside, target))
+        if aside is None or not stuck:
+            left = []
+            for entry in kept:
+                try:
+                    os.rename(os.path.join(folder, entry), os.path.join(target, entry))
+                except OSError:
+                    left.append(entry)
+            if left:
+                stuck.append(self._keep(folder, target))
+        elif kept:
+            stuck.append(self._keep(folder, target))  # no old folder in place to go back in
+        return stuck
+
+    def _keep(self, path: str, target: str) -> str:
+        """``path`` under a hidden name beside ``target`` that no run removes (or where it is,
+        spared by this writer if even that rename fails); returns where it is."""
+        name = f".asyncrunner-kept-{os.path.basename(target)}-{secrets.token_hex(4)}"
+        kept = os.path.join(os.path.dirname(target), name)
+        try:
+            os.rename(path, kept)
+        except OSError:
+            self._spare(path)
+            return path
+        return kept
 
 
 class ReplacingCompactWriter(CompactEpisodeWriter):

@@ -69,6 +69,7 @@ class Writer(Sink):
         self._reserved: set[str] = set()
         self._next_k: dict[str, int] = {}  # per chronic, the suffix its next name starts from
         self._tmp: set[str] = set()
+        self._spared: set[str] = set()  # work in progress never removed (``spare``)
         self._stage: str | None = None
         self._closes = 0  # aclose calls: a stage made across one is removed (``stage``)
         self._lock = threading.Lock()
@@ -207,8 +208,19 @@ class Writer(Sink):
             _LIVE.add(tmp)
         return tmp
 
+    def _spare(self, path: str) -> None:
+        """Never remove ``path``, work in progress that holds what could not be put back (the
+        user's files...)."""
+        with self._lock:
+            self._spared.add(path)
+            self._tmp.discard(path)
+        with _LIVE_LOCK:
+            _LIVE.discard(path)
+
     def _remove(self, paths: Sequence[str]) -> None:
         for p in paths:
+            if any(kept == p or kept.startswith(p + os.sep) for kept in self._spared):
+                continue
             if os.path.isdir(p) and not os.path.islink(p):
                 # Renamed first: a worker of a cancelled run still writing in a stage cannot
                 # add to it any more (its next file fails, and it sends the bytes instead).
