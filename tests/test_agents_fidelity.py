@@ -110,6 +110,49 @@ def async_run(env: Any, agent: Any, executor: Any = None) -> list[Any]:
     return played(anyio.run(main))
 
 
+# --- a class redefined under the same name ---------------------------------------------------
+
+
+def define_stopping_agent(steps: int) -> type[BaseAgent]:
+    """``StoppingAgent`` of this module, (re)defined: it fails after ``steps`` steps (a notebook
+    cell defining the agent, run again after a fix; a module reloaded)."""
+
+    class StoppingAgent(DoNothingAgent):  # type: ignore[misc]  # grid2op is untyped
+        def act(self, observation: Any, reward: float, done: bool = False) -> Any:
+            self.n = getattr(self, "n", 0) + 1
+            if self.n > steps:
+                raise RuntimeError(f"stopped after {steps} steps")
+            return super().act(observation, reward, done)
+
+    StoppingAgent.__qualname__ = "StoppingAgent"  # pickled by name, as a top-level class
+    globals()["StoppingAgent"] = StoppingAgent
+    return StoppingAgent
+
+
+def test_a_new_runner_plays_a_class_redefined_under_the_same_name(env: Any) -> None:
+    """The two definitions pickle to the same bytes (a class goes by name): a new runner made
+    with the second, while one made with the first was open (or dropped unclosed), found the
+    env held for the first one's recipe and its workers played the first definition."""
+
+    async def main() -> list[list[int]]:
+        played = []
+        async with AsyncRunner(env, agent=define_stopping_agent(3), workers=2) as first:
+            played.append(await steps(first))
+            async with AsyncRunner(env, agent=define_stopping_agent(6), workers=2) as second:
+                played.append(await steps(second))
+            played.append(await steps(first))  # the open one keeps the class it was given
+        return played
+
+    async def steps(runner: AsyncRunner) -> list[int]:
+        results = await runner.run(2, max_iter=20, on_error="continue")
+        return [r.nb_time_step for r in results]
+
+    try:
+        assert anyio.run(main) == [[3, 3], [6, 6], [3, 3]]
+    finally:
+        globals().pop("StoppingAgent", None)
+
+
 # --- agents defined in a function, sent by value ----------------------------------------------
 
 

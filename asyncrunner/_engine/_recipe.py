@@ -9,6 +9,7 @@ import hashlib
 import inspect
 import io
 import pickle
+import types
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -103,16 +104,25 @@ def _grid_reduce(obj: Any) -> Any:
 
 
 class _GridPickler(pickle.Pickler):
-    """pickle, with grid2op's env classes by value."""
+    """pickle, with grid2op's env classes by value; ``named``: the ids of the classes and
+    functions pickled (by name, unless by value)."""
+
+    named: list[int]
 
     def reducer_override(self, obj: Any) -> Any:
+        if isinstance(obj, (type, types.FunctionType)):
+            self.named.append(id(obj))
         return _grid_reduce(obj) or NotImplemented
 
 
 class _ByValuePickler(cloudpickle.Pickler):  # type: ignore[misc]  # cloudpickle is untyped
     """cloudpickle, with grid2op's env classes by value: what workers cannot import goes too."""
 
+    named: list[int]
+
     def reducer_override(self, obj: Any) -> Any:
+        if isinstance(obj, (type, types.FunctionType)):
+            self.named.append(id(obj))
         return _grid_reduce(obj) or super().reducer_override(obj)
 
 
@@ -127,6 +137,11 @@ def dumps(obj: Any, *, main_by_value: bool = False) -> bytes:
     ``__main__`` is Dask's command, loky's workers never import the script; a local Dask
     cluster's is this script), cloudpickle first.
     """
+    return _dumps_named(obj, main_by_value=main_by_value)[0]
+
+
+def _dumps_named(obj: Any, *, main_by_value: bool = False) -> tuple[bytes, list[int]]:
+    """``dumps``, and the ids of the classes and functions pickled (``_GridPickler.named``)."""
     if main_by_value:
         try:
             return _dump(_ByValuePickler, obj)
@@ -138,12 +153,14 @@ def dumps(obj: Any, *, main_by_value: bool = False) -> bytes:
         return _dump(_ByValuePickler, obj)
 
 
-def _dump(pickler: type[pickle.Pickler], obj: Any) -> bytes:
+def _dump(pickler: type[_GridPickler | _ByValuePickler], obj: Any) -> tuple[bytes, list[int]]:
     buffer = io.BytesIO()
     # Protocol 4, as multiprocessing (grid2op's Runner) pickles: 5 would bring read-only arrays
     # (LightSim's) back on immutable bytes, and an env an agent holds could never step again.
-    pickler(buffer, protocol=4).dump(obj)
-    return buffer.getvalue()
+    dumper = pickler(buffer, protocol=4)
+    dumper.named = []
+    dumper.dump(obj)
+    return buffer.getvalue(), dumper.named
 
 
 def agent_recipe(agent: Any) -> tuple[str, Any]:
@@ -258,12 +275,17 @@ def recipes(
         params, classes, key = _env_part(source)
         recipe = Recipe(params, kind, payload, classes, key)
         try:
-            blob = dumps(recipe, main_by_value=main_by_value)
+            blob, named = _dumps_named(recipe, main_by_value=main_by_value)
         except Exception as exc:
             raise TypeError(
                 f"the agent {agent!r} cannot be sent to worker processes because it cannot be "
                 f"pickled ({type(exc).__name__}: {exc}); pass its class, or a factory "
                 "(action_space) -> agent"
             ) from exc
-        made[mix] = (hashlib.blake2b(blob, digest_size=16).hexdigest(), blob)
+        # The classes and functions by identity too: a class redefined under the same name (a
+        # notebook cell run again, a module reloaded) pickles to the same bytes, and a recipe
+        # held for the old one (``_envs.hold``) would play it.
+        digest = hashlib.blake2b(blob, digest_size=16)
+        digest.update(repr(named).encode())
+        made[mix] = (digest.hexdigest(), blob)
     return made
