@@ -10,18 +10,20 @@ import numbers
 import os
 import sys
 import threading
+import weakref
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import replace
 from typing import Any, Literal, TypedDict, Unpack
 
 import anyio
+import anyio.lowlevel
 from anyio.abc import AsyncResource
 from anyio.streams.memory import MemoryObjectSendStream
 
 from ._engine._central import CentralAgent
 from ._engine._dispatch import Run, RunSettings
-from ._engine._envs import copies_faithfully, hold, release, warm
+from ._engine._envs import copies_faithfully, dropped, hold, release, warm
 from ._engine._parsed import ParsedAhead
 from ._engine._pool import WorkerPool
 from ._engine._recipe import agent_name, agent_recipe, class_attributes, env_key, recipes
@@ -202,6 +204,7 @@ class AsyncRunner(AsyncResource):
         self._loop: tuple[str, object] | None = None
         self._loop_lock = threading.Lock()
         self._held = False  # the env is held here for forked workers (released on close)
+        self._dropped: weakref.finalize[Any, Any] | None = None  # collected unclosed: ``_hold``
         self._shares_pool = False  # another runner's pool (``sharing_workers``): not ours to stop
         # An env built from the recipe's params and never played, held for forked workers
         # instead of a build here (compat gives the one grid2op's constructor built).
@@ -222,6 +225,7 @@ class AsyncRunner(AsyncResource):
         with self._loop_lock:
             self._check_loop()
             self._entering += 1
+        opened = self._pool is None and not self._held
         try:
             # Start the workers and build their envs now, while the caller prepares its first
             # run. No more than the CPUs: more would not be ready sooner, and a run of fewer
@@ -229,7 +233,16 @@ class AsyncRunner(AsyncResource):
             # become ready rather than start more processes (see WorkerPool.warm_up).
             count = min(self.workers, usable_cpus())
             await self._hold()
+            await anyio.lowlevel.checkpoint_if_cancelled()  # interrupted while holding the env
             await self._get_pool().warm_up(count, warm, self._recipe_key, self._recipe_bytes)
+        except BaseException:
+            # Interrupted (a notebook's stop button) or failed: ``async with`` calls no
+            # ``__aexit__`` then. What this opening started stops, and the env it held is let go.
+            if opened:
+                with anyio.CancelScope(shield=True):
+                    await self._stop_workers()
+                self._pool = None  # a new opening starts afresh
+            raise
         finally:
             with self._loop_lock:
                 self._entering -= 1
@@ -243,13 +256,30 @@ class AsyncRunner(AsyncResource):
         if self._get_pool().forks_this_process and not self._held:
             if self.copy_env:
                 _check_no_pending_parameters(self._first_env)
-            self._held = True  # before the await: a cancel lands after the hold is done
             # An env whose copies would not play as a new env is built, copy_env or not.
             copies = self.copy_env and copies_faithfully(self._first_env)
             make = self._first_env.copy if copies else None
-            self._held = await anyio.to_thread.run_sync(
-                hold, self._recipe_key, self._recipe_bytes, self._lent_env, make
-            )
+            done = threading.Event()
+            held: list[bool] = []
+
+            def holding() -> None:
+                try:
+                    held.append(hold(self._recipe_key, self._recipe_bytes, self._lent_env, make))
+                finally:
+                    done.set()
+
+            try:
+                with anyio.CancelScope(shield=True):
+                    await anyio.to_thread.run_sync(holding)
+            finally:
+                # Held or not, known before a cancel goes on: asyncio's own (``task.cancel()``)
+                # goes through the shield, and the thread holds on.
+                if not done.is_set():
+                    with anyio.CancelScope(shield=True):
+                        await anyio.to_thread.run_sync(done.wait)
+                self._held = held == [True]
+                if self._held:  # a runner collected unclosed lets it go (at the next hold)
+                    self._dropped = weakref.finalize(self, dropped, self._recipe_key)
 
     async def aclose(self) -> None:
         """Stop the warm-up and the runs still playing (another task's ``run()`` then raises
@@ -270,14 +300,20 @@ class AsyncRunner(AsyncResource):
                     self._none_playing = anyio.Event()
                     await self._none_playing.wait()
         finally:
-            try:
-                if self._pool is not None and not self._shares_pool:
-                    await self._pool.aclose()
-            finally:
-                if self._held:
-                    self._held = False
-                    with anyio.CancelScope(shield=True):
-                        await anyio.to_thread.run_sync(release, self._recipe_key)
+            await self._stop_workers()
+
+    async def _stop_workers(self) -> None:
+        """Stop this runner's worker processes and let go of the env held for them."""
+        try:
+            if self._pool is not None and not self._shares_pool:
+                await self._pool.aclose()
+        finally:
+            if self._held:
+                self._held = False
+                if self._dropped is not None:
+                    self._dropped.detach()
+                with anyio.CancelScope(shield=True):
+                    await anyio.to_thread.run_sync(release, self._recipe_key)
 
     @property
     def _pids(self) -> set[int]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import json
 import multiprocessing
@@ -29,6 +30,7 @@ from asyncrunner import (
     EpisodeStarted,
     StepBatch,
 )
+from asyncrunner._engine import _envs
 from asyncrunner._engine._envs import release
 from asyncrunner.sinks import CallbackSink
 
@@ -433,21 +435,69 @@ async def test_a_runner_closed_from_inside_one_run_waits_for_the_others(env: Any
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # unclosed: says so
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])
-async def test_a_runner_dropped_unclosed_leaves_no_worker_once_collected(env: Any) -> None:
+def holders(key: str) -> int:
+    """How many holds this process has on recipe ``key``'s env (other tests' runners too)."""
+    return _envs._HELD.get(key, (None, 0))[1]
+
+
+@pytest.mark.filterwarnings("ignore::ResourceWarning")  # what a runner left unclosed holds
+async def test_a_runner_dropped_unclosed_leaves_no_worker_nor_hold_once_collected(
+    env: Any,
+) -> None:
     # The fork thread kept its last call's result (a worker) until its next call: that worker
-    # outlived a runner dropped without closing it.
+    # outlived a runner dropped without closing it. The env it held for its workers stayed held
+    # (and this process's objects frozen out of its collections) for the process's life.
     before = children()
     runner = AsyncRunner(env, agent=DoNothingAgent, workers=2)
+    key = runner._recipe_key
+    held = holders(key)
     await runner.__aenter__()
     await runner.run(2, max_iter=5)
-    assert len(children() - before) == 2
-    held = runner._recipe_key  # the env it holds for its workers: released by its close
+    assert len(children() - before) == 2 and holders(key) == held + 1
     del runner
     gc.collect()
-    try:
-        await wait_no_children(before)
-    finally:
-        release(held)  # what the runner's close would have done (this process's next tests)
+    await wait_no_children(before)
+    release("no such recipe")  # the next hold or release lets the collected runner's go
+    assert holders(key) == held
+    gc.collect()  # its parts, no longer frozen out of the collections: here, not in a later test
+
+
+@BOTH_LOOPS
+async def test_an_interrupted_opening_stops_its_workers_and_lets_its_env_go(
+    env: Any, anyio_backend: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A notebook's stop button as ``async with AsyncRunner(...)`` opens: ``async with`` calls no
+    # ``__aexit__`` when ``__aenter__`` fails, and the env held for the opening's workers stayed
+    # held, with this process's objects frozen out of its collections, for good (asyncio's own
+    # cancel, ``task.cancel()``, also went through the shield around the hold's thread).
+    class Fresh(DoNothingAgent):  # type: ignore[misc]  # a recipe of its own
+        pass
+
+    def slow_hold(*args: Any) -> bool:
+        held = _envs.hold(*args)
+        time.sleep(0.3)  # still holding when the cancel comes
+        return held
+
+    monkeypatch.setattr(asyncrunner._runner, "hold", slow_hold)
+    before = children()
+    runner = AsyncRunner(env, agent=Fresh, workers=2)
+    key = runner._recipe_key
+    if anyio_backend == "asyncio":
+        task = asyncio.ensure_future(runner.__aenter__())
+        await asyncio.sleep(0.05)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+    else:
+        with anyio.move_on_after(0.05) as scope:
+            await runner.__aenter__()
+        assert scope.cancelled_caught
+    assert holders(key) == 0 and not _envs._FROZEN
+    await wait_no_children(before)
+    monkeypatch.undo()
+    async with runner:  # a new opening starts afresh
+        [result] = await runner.run(1, max_iter=3)
+    assert result.nb_time_step == 3 and holders(key) == 0
 
 
 @BOTH_LOOPS

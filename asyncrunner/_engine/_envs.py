@@ -295,6 +295,7 @@ def hold(
     are out of its collections (``_freeze``).
     """
     with _ENVS_LOCK:
+        _release_dropped()
         if recipe_key in _HELD:
             cached, holders = _HELD[recipe_key]
             _HELD[recipe_key] = (cached, holders + 1)
@@ -328,6 +329,28 @@ def hold(
 
 def release(recipe_key: str) -> None:
     """Undo one ``hold``; the last one frees the env (workers forked before keep theirs)."""
+    with _ENVS_LOCK:
+        _release_dropped()
+        _release(recipe_key)
+
+
+# The holds of holders collected without their ``release`` (``dropped``).
+_DROPPED: list[str] = []
+
+
+def dropped(recipe_key: str) -> None:
+    """A holder of ``recipe_key`` was collected without its ``release`` (a runner never closed):
+    the next ``hold`` or ``release`` does it. Not here: a garbage collection calls this, and an
+    env's close and ``gc.unfreeze`` have no place in one."""
+    _DROPPED.append(recipe_key)
+
+
+def _release_dropped() -> None:
+    while _DROPPED:
+        _release(_DROPPED.pop())
+
+
+def _release(recipe_key: str) -> None:
     with _ENVS_LOCK:
         entry = _HELD.pop(recipe_key, None)
         if entry is None:
