@@ -189,6 +189,14 @@ class AsyncRunner(AsyncResource):
         }
         # What the workers build each mix's env from, as its recipe keys it (``resume`` matches it).
         self._env_keys = {mix: env_key(source) for mix, source in sources.items()}
+        # The env's spaces, kept: ``env.close()`` sets the env's to None, and a saving run reads
+        # them (their dicts, encoded once: ``_spaces``).
+        self._space_objects = {
+            "dict_action_space.json": env.action_space,
+            "dict_observation_space.json": env.observation_space,
+            "dict_env_modification_space.json": env._helper_action_env,
+            "dict_attack_space.json": env._opponent_action_space,
+        }
         self._space_dicts: dict[str, Any] | None = None
         self._pool: WorkerPool | None = None
         self._closed = False
@@ -394,15 +402,10 @@ class AsyncRunner(AsyncResource):
 
     async def _spaces(self) -> dict[str, Any]:
         if self._space_dicts is None:
-            env = self.env
+            spaces = self._space_objects
 
             def build() -> dict[str, Any]:
-                return {
-                    "dict_action_space.json": env.action_space.cls_to_dict(),
-                    "dict_observation_space.json": env.observation_space.cls_to_dict(),
-                    "dict_env_modification_space.json": env._helper_action_env.cls_to_dict(),
-                    "dict_attack_space.json": env._opponent_action_space.cls_to_dict(),
-                }
+                return {name: space.cls_to_dict() for name, space in spaces.items()}
 
             self._space_dicts = await anyio.to_thread.run_sync(build)
         return self._space_dicts
@@ -539,6 +542,12 @@ class AsyncRunner(AsyncResource):
         if add_detailed_output:
             from .sinks._detail import DetailCollector
 
+            if getattr(self.env, "_BaseEnv__closed", False):
+                raise ValueError(
+                    "add_detailed_output needs the env this AsyncRunner was made with open (its "
+                    "observation space makes each step's observation), and env.close() was "
+                    "called: close it after the runs, or make a new env and AsyncRunner"
+                )
             collector = DetailCollector(self._env_for, compact=add_detailed_output == "compact")
             options = {**options, "sinks": [*options.get("sinks", ()), collector]}
         run = await self._prepare(nb_episode, options, streaming=False)

@@ -447,3 +447,24 @@ async def test_bad_runner_arguments(env: Any) -> None:
     closed.close()
     with pytest.raises(ValueError, match="closed"):
         AsyncRunner(closed, agent=DoNothingAgent)
+
+
+async def test_an_open_runner_saves_after_its_env_was_closed(tmp_path: Any) -> None:
+    # An example notebook's last cell closes the env; a saving cell run again after it failed
+    # with "'NoneType' object has no attribute 'cls_to_dict'" (the env's spaces, read then).
+    # grid2op's Runner plays on after it, from the env its parameters build.
+    from grid2op.Episode import EpisodeData
+
+    from .conftest import make_env
+
+    env = make_env()
+    async with AsyncRunner(env, agent=DoNothingAgent, workers=1) as runner:
+        await runner.run(1, max_iter=3)
+        env.close()
+        [result] = await runner.run(1, max_iter=3, path_save=tmp_path)
+        # Its observation space makes the detailed outputs' observations: not after its close.
+        with pytest.raises(ValueError, match=r"env\.close\(\) was called: close it after"):
+            await runner.run(1, max_iter=3, add_detailed_output=True)
+    assert result.nb_time_step == 3
+    [(_, name)] = EpisodeData.list_episode(str(tmp_path))
+    assert len(EpisodeData.from_disk(str(tmp_path), name).actions) == 3
