@@ -164,11 +164,13 @@ class AsyncRunner(AsyncResource):
             sources = dict(self._mixes.items())
         # The standard library's pools run this script as their workers' ``__main__`` (forked,
         # or imported as ``__mp_main__``); others' workers (Dask's command, loky's) do not: they
-        # get this script's classes by value.
+        # get this script's classes by value. So do a process pool's when ``__main__`` is no
+        # file its spawned workers could import (a notebook's cells, ``python -c``).
         by_value = executor is not None and not isinstance(
-            executor,
-            (concurrent.futures.ProcessPoolExecutor, concurrent.futures.ThreadPoolExecutor),
+            executor, concurrent.futures.ThreadPoolExecutor
         )
+        if isinstance(executor, concurrent.futures.ProcessPoolExecutor):
+            by_value = not hasattr(sys.modules["__main__"], "__file__")
         self._recipes = recipes(sources, agent, kind, payload, main_by_value=by_value)
         # The first (or only) recipe: the env the workers build while warming up.
         self._recipe_key, self._recipe_bytes = next(iter(self._recipes.values()))

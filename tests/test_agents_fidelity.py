@@ -13,6 +13,9 @@ import json
 import logging
 import multiprocessing
 import os
+import subprocess
+import sys
+import textwrap
 import warnings
 from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
@@ -35,7 +38,7 @@ from asyncrunner import AsyncRunner
 from asyncrunner.compat import _runner as compat
 
 from .conftest import make_env
-from .helpers import grid2ops, run_script
+from .helpers import ROOT, grid2ops, run_script
 
 
 def seeds(nb_episode: int) -> dict[str, Any]:
@@ -210,6 +213,46 @@ def test_local_agent_instance_plays_on_spawned_workers(
     # The instance holds its action space, whose classes grid2op made for the env (by value too).
     instance = local_sampling_agent()(env.action_space)
     assert async_run(env, instance, spawn_pool) == by_instance
+
+
+@pytest.mark.slow  # spawned interpreters import grid2op (seconds each)
+def test_an_agent_class_of_a_main_without_a_file_plays_on_spawned_workers() -> None:
+    """A notebook's cells (``python -c`` here) are a ``__main__`` that spawned workers cannot
+    import: its classes failed every episode ("Can't get attribute 'CellAgent' on <module
+    '__main__' (built-in)>"). They go by value to such pools."""
+    code = textwrap.dedent(
+        """
+        import asyncio, multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
+        from grid2op.Agent import DoNothingAgent
+        from asyncrunner import AsyncRunner
+        from tests.conftest import make_env
+
+        class CellAgent(DoNothingAgent):
+            pass
+
+        async def main():
+            env = make_env()
+            spawn = multiprocessing.get_context("spawn")
+            with ProcessPoolExecutor(2, mp_context=spawn) as pool:
+                async with AsyncRunner(env, agent=CellAgent, executor=pool) as runner:
+                    results = await runner.run(2, max_iter=5)
+            print([(r.nb_time_step, r.error) for r in results])
+
+        asyncio.run(main())
+        """
+    )
+    path = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        env={**os.environ, "PYTHONPATH": path},
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().splitlines()[-1] == "[(5, None), (5, None)]", done.stdout
 
 
 @pytest.mark.slow  # a local Dask cluster (worker processes of its own)
