@@ -213,8 +213,14 @@ class AsyncRunner(AsyncResource):
         # loops of other threads check it.
         self._loop: tuple[str, object] | None = None
         self._loop_lock = threading.Lock()
-        self._held = False  # the env is held here for forked workers (released on close)
-        self._dropped: weakref.finalize[Any, Any] | None = None  # collected unclosed: ``_hold``
+        # The env held here for forked workers (released on close), the hold under way if any
+        # (set when it ends), whether it is to be let go as it ends, and what collecting the
+        # runner unclosed does (``_hold``); under ``_hold_lock``, which the hold's thread takes.
+        self._held = False
+        self._holding: threading.Event | None = None
+        self._closed_hold = False
+        self._dropped: weakref.finalize[Any, Any] | None = None
+        self._hold_lock = threading.Lock()
         self._shares_pool = False  # another runner's pool (``sharing_workers``): not ours to stop
         # An env built from the recipe's params and never played, held for forked workers
         # instead of a build here (compat gives the one grid2op's constructor built).
@@ -235,7 +241,7 @@ class AsyncRunner(AsyncResource):
         with self._loop_lock:
             self._check_loop()
             self._entering += 1
-        opened = self._pool is None and not self._held
+        opened = self._pool is None and not self._held and self._holding is None
         try:
             # Start the workers and build their envs now, while the caller prepares its first
             # run. No more than the CPUs: more would not be ready sooner, and a run of fewer
@@ -244,6 +250,7 @@ class AsyncRunner(AsyncResource):
             count = min(self.workers, usable_cpus())
             await self._hold()
             await anyio.lowlevel.checkpoint_if_cancelled()  # interrupted while holding the env
+            self._check_open()  # closed meanwhile
             await self._get_pool().warm_up(count, warm, self._recipe_key, self._recipe_bytes)
         except BaseException:
             # Interrupted (a notebook's stop button) or failed: ``async with`` calls no
@@ -261,35 +268,45 @@ class AsyncRunner(AsyncResource):
     async def _hold(self) -> None:
         """For a pool that forks this process: build the env once here, so that each forked
         worker starts with it instead of building its own (the same recipe and code: the same
-        pristine env). With ``copy_env``, a copy of the caller's env instead of a build."""
-        self._check_open()
-        if self._get_pool().forks_this_process and not self._held:
-            if self.copy_env:
-                _check_no_pending_parameters(self._first_env)
-            # An env whose copies would not play as a new env is built, copy_env or not.
-            copies = self.copy_env and copies_faithfully(self._first_env)
-            make = self._first_env.copy if copies else None
-            done = threading.Event()
-            held: list[bool] = []
+        pristine env). With ``copy_env``, a copy of the caller's env instead of a build.
 
-            def holding() -> None:
+        The hold's thread records what it held (``_held``) itself: the caller may be cancelled
+        meanwhile (asyncio's own ``task.cancel()`` goes through shields), or the runner closed
+        (``_stop_workers`` then has it let go of the env as it ends)."""
+        self._check_open()
+        if not self._get_pool().forks_this_process:
+            return
+        if self.copy_env:
+            _check_no_pending_parameters(self._first_env)
+        with self._hold_lock:
+            if self._held or self._holding is not None:
+                return  # another opening of this runner holds it, or is holding it
+            done = self._holding = threading.Event()
+            self._closed_hold = False
+        # An env whose copies would not play as a new env is built, copy_env or not.
+        copies = self.copy_env and copies_faithfully(self._first_env)
+        make = self._first_env.copy if copies else None
+        key = self._recipe_key
+
+        def holding() -> None:
+            held = False
+            try:
+                held = hold(key, self._recipe_bytes, self._lent_env, make)
+            finally:
+                with self._hold_lock:
+                    self._holding = None
+                    let_go = held and self._closed_hold
+                    if held and not let_go:
+                        self._held = True  # a runner collected unclosed lets it go too
+                        self._dropped = weakref.finalize(self, dropped, key)
                 try:
-                    held.append(hold(self._recipe_key, self._recipe_bytes, self._lent_env, make))
+                    if let_go:
+                        release(key)
                 finally:
                     done.set()
 
-            try:
-                with anyio.CancelScope(shield=True):
-                    await anyio.to_thread.run_sync(holding)
-            finally:
-                # Held or not, known before a cancel goes on: asyncio's own (``task.cancel()``)
-                # goes through the shield, and the thread holds on.
-                if not done.is_set():
-                    with anyio.CancelScope(shield=True):
-                        await anyio.to_thread.run_sync(done.wait)
-                self._held = held == [True]
-                if self._held:  # a runner collected unclosed lets it go (at the next hold)
-                    self._dropped = weakref.finalize(self, dropped, self._recipe_key)
+        with anyio.CancelScope(shield=True):
+            await anyio.to_thread.run_sync(holding)
 
     async def aclose(self) -> None:
         """Stop the warm-up and the runs still playing (another task's ``run()`` then raises
@@ -313,17 +330,23 @@ class AsyncRunner(AsyncResource):
             await self._stop_workers()
 
     async def _stop_workers(self) -> None:
-        """Stop this runner's worker processes and let go of the env held for them."""
+        """Stop this runner's worker processes and let go of the env held for them (or being
+        held: the hold's thread lets it go as it ends, which this waits for)."""
         try:
             if self._pool is not None and not self._shares_pool:
                 await self._pool.aclose()
         finally:
-            if self._held:
+            with self._hold_lock:
+                holding, held = self._holding, self._held
+                self._closed_hold = holding is not None
                 self._held = False
-                if self._dropped is not None:
+                if held and self._dropped is not None:
                     self._dropped.detach()
-                with anyio.CancelScope(shield=True):
+            with anyio.CancelScope(shield=True):
+                if held:
                     await anyio.to_thread.run_sync(release, self._recipe_key)
+                elif holding is not None:
+                    await anyio.to_thread.run_sync(holding.wait)
 
     @property
     def _pids(self) -> set[int]:

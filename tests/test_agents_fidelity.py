@@ -156,6 +156,29 @@ def test_a_new_runner_plays_a_class_redefined_under_the_same_name(env: Any) -> N
         globals().pop("StoppingAgent", None)
 
 
+def test_a_recipe_key_is_the_same_in_every_process(env: Any) -> None:
+    """Dask workers keep their envs by recipe key across clients: keys of the ids of the classes
+    a recipe pickles made every new client (a script run again, each CLI call) rebuild them."""
+    code = (
+        "from grid2op.Agent import DoNothingAgent\n"
+        "from asyncrunner import AsyncRunner\n"
+        "from tests.conftest import make_env\n"
+        "print(AsyncRunner(make_env(), agent=DoNothingAgent, workers=1)._recipe_key)\n"
+    )
+    path = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        env={**os.environ, "PYTHONPATH": path},
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    here = AsyncRunner(env, agent=DoNothingAgent, workers=1)._recipe_key
+    assert done.stdout.strip().splitlines()[-1] == here
+
+
 # --- agents defined in a function, sent by value ----------------------------------------------
 
 

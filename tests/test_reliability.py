@@ -462,6 +462,60 @@ async def test_a_runner_dropped_unclosed_leaves_no_worker_nor_hold_once_collecte
     gc.collect()  # its parts, no longer frozen out of the collections: here, not in a later test
 
 
+def _slow_hold(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Holding an env takes 0.3 s more (a big grid's build)."""
+
+    def slow_hold(*args: Any) -> bool:
+        held = _envs.hold(*args)
+        time.sleep(0.3)  # still holding when the cancel or the close comes
+        return held
+
+    monkeypatch.setattr(asyncrunner._runner, "hold", slow_hold)
+
+
+class Fresh(DoNothingAgent):  # type: ignore[misc]  # a recipe of its own in this module
+    pass
+
+
+@pytest.mark.parametrize(
+    "meanwhile", ["closed", "opened again", "cancelled twice"], ids=lambda m: m.replace(" ", "_")
+)
+# Two openings at once leave the first warm-up's streams to the collector (not the env held).
+@pytest.mark.filterwarnings("ignore::ResourceWarning")
+async def test_a_hold_under_way_is_let_go_whatever_happens_meanwhile(
+    env: Any, monkeypatch: pytest.MonkeyPatch, meanwhile: str
+) -> None:
+    # The runner closed as it opens, opened twice at once, or its opening cancelled twice (a
+    # timeout, then its caller): the env held for its workers stayed held and this process's
+    # objects frozen out of its collections, for good.
+    _slow_hold(monkeypatch)
+    before = children()
+    runner = AsyncRunner(env, agent=Fresh, workers=2)
+    key = runner._recipe_key
+    if meanwhile == "closed":
+        opening = asyncio.ensure_future(runner.__aenter__())
+        await asyncio.sleep(0.05)
+        await runner.aclose()
+        with pytest.raises(AsyncRunnerError, match="closed"):
+            await opening
+    elif meanwhile == "opened again":
+        await asyncio.gather(runner.__aenter__(), runner.__aenter__())
+        assert holders(key) == 1
+        await runner.aclose()
+    else:
+        opening = asyncio.ensure_future(runner.__aenter__())
+        await asyncio.sleep(0.05)
+        opening.cancel()
+        await asyncio.sleep(0.05)
+        opening.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await opening
+        await asyncio.sleep(0.5)  # the hold's thread ends, and lets the env go
+    assert holders(key) == 0 and not _envs._FROZEN
+    await wait_no_children(before)
+    gc.collect()  # what the filter lets go, collected here
+
+
 @BOTH_LOOPS
 async def test_an_interrupted_opening_stops_its_workers_and_lets_its_env_go(
     env: Any, anyio_backend: str, monkeypatch: pytest.MonkeyPatch
@@ -470,15 +524,7 @@ async def test_an_interrupted_opening_stops_its_workers_and_lets_its_env_go(
     # ``__aexit__`` when ``__aenter__`` fails, and the env held for the opening's workers stayed
     # held, with this process's objects frozen out of its collections, for good (asyncio's own
     # cancel, ``task.cancel()``, also went through the shield around the hold's thread).
-    class Fresh(DoNothingAgent):  # type: ignore[misc]  # a recipe of its own
-        pass
-
-    def slow_hold(*args: Any) -> bool:
-        held = _envs.hold(*args)
-        time.sleep(0.3)  # still holding when the cancel comes
-        return held
-
-    monkeypatch.setattr(asyncrunner._runner, "hold", slow_hold)
+    _slow_hold(monkeypatch)
     before = children()
     runner = AsyncRunner(env, agent=Fresh, workers=2)
     key = runner._recipe_key

@@ -9,7 +9,9 @@ import hashlib
 import inspect
 import io
 import pickle
+import threading
 import types
+import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -104,25 +106,25 @@ def _grid_reduce(obj: Any) -> Any:
 
 
 class _GridPickler(pickle.Pickler):
-    """pickle, with grid2op's env classes by value; ``named``: the ids of the classes and
-    functions pickled (by name, unless by value)."""
+    """pickle, with grid2op's env classes by value; ``named``: the classes and functions
+    pickled (by name, unless by value)."""
 
-    named: list[int]
+    named: list[Any]
 
     def reducer_override(self, obj: Any) -> Any:
         if isinstance(obj, (type, types.FunctionType)):
-            self.named.append(id(obj))
+            self.named.append(obj)
         return _grid_reduce(obj) or NotImplemented
 
 
 class _ByValuePickler(cloudpickle.Pickler):  # type: ignore[misc]  # cloudpickle is untyped
     """cloudpickle, with grid2op's env classes by value: what workers cannot import goes too."""
 
-    named: list[int]
+    named: list[Any]
 
     def reducer_override(self, obj: Any) -> Any:
         if isinstance(obj, (type, types.FunctionType)):
-            self.named.append(id(obj))
+            self.named.append(obj)
         return _grid_reduce(obj) or super().reducer_override(obj)
 
 
@@ -140,8 +142,8 @@ def dumps(obj: Any, *, main_by_value: bool = False) -> bytes:
     return _dumps_named(obj, main_by_value=main_by_value)[0]
 
 
-def _dumps_named(obj: Any, *, main_by_value: bool = False) -> tuple[bytes, list[int]]:
-    """``dumps``, and the ids of the classes and functions pickled (``_GridPickler.named``)."""
+def _dumps_named(obj: Any, *, main_by_value: bool = False) -> tuple[bytes, list[Any]]:
+    """``dumps``, and the classes and functions pickled (``_GridPickler.named``)."""
     if main_by_value:
         try:
             return _dump(_ByValuePickler, obj)
@@ -153,7 +155,7 @@ def _dumps_named(obj: Any, *, main_by_value: bool = False) -> tuple[bytes, list[
         return _dump(_ByValuePickler, obj)
 
 
-def _dump(pickler: type[_GridPickler | _ByValuePickler], obj: Any) -> tuple[bytes, list[int]]:
+def _dump(pickler: type[_GridPickler | _ByValuePickler], obj: Any) -> tuple[bytes, list[Any]]:
     buffer = io.BytesIO()
     # Protocol 4, as multiprocessing (grid2op's Runner) pickles: 5 would bring read-only arrays
     # (LightSim's) back on immutable bytes, and an env an agent holds could never step again.
@@ -282,10 +284,31 @@ def recipes(
                 f"pickled ({type(exc).__name__}: {exc}); pass its class, or a factory "
                 "(action_space) -> agent"
             ) from exc
-        # The classes and functions by identity too: a class redefined under the same name (a
-        # notebook cell run again, a module reloaded) pickles to the same bytes, and a recipe
-        # held for the old one (``_envs.hold``) would play it.
+        # A class redefined under its name (a notebook cell run again, a module reloaded)
+        # pickles to the same bytes, and a recipe held for the old one (``_envs.hold``) would
+        # play it: their versions tell them apart (none for the first ones: a key is the same in
+        # every process, as Dask workers cache envs by it).
         digest = hashlib.blake2b(blob, digest_size=16)
-        digest.update(repr(named).encode())
+        redefined = [(k, v) for k, v in enumerate(map(_version, named)) if v]
+        if redefined:
+            digest.update(repr(redefined).encode())
         made[mix] = (digest.hexdigest(), blob)
     return made
+
+
+# The classes and functions the recipes of this process pickled, by name, in the order seen
+# (weakly): the k-th object under a name is its version k.
+_VERSIONS: dict[tuple[str, str], list[weakref.ref[Any]]] = {}
+_VERSIONS_LOCK = threading.Lock()
+
+
+def _version(obj: Any) -> int:
+    """Which of the objects seen under ``obj``'s name (module and qualified name) it is."""
+    name = (str(getattr(obj, "__module__", "")), str(getattr(obj, "__qualname__", "")))
+    with _VERSIONS_LOCK:
+        seen = _VERSIONS.setdefault(name, [])
+        for k, ref in enumerate(seen):
+            if ref() is obj:
+                return k
+        seen.append(weakref.ref(obj))
+        return len(seen) - 1
