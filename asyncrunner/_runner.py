@@ -371,6 +371,15 @@ class AsyncRunner(AsyncResource):
         """The parent's env (or mix) behind episodes of ``mix``."""
         return self.env if self._mixes is None or mix is None else self._mixes[mix]
 
+    def _check_env_open(self, what: str, why: str) -> None:
+        """``what`` needs the env this runner was made with open: its space ``why``."""
+        if getattr(self.env, "_BaseEnv__closed", False):
+            raise ValueError(
+                f"{what} needs the env this AsyncRunner was made with open (its space {why}), "
+                "and env.close() was called: close it after the runs, or make a new env and "
+                "AsyncRunner"
+            )
+
     def _check_open(self) -> None:
         if self._closed:
             raise AsyncRunnerError("this AsyncRunner is closed: create a new one")
@@ -449,6 +458,10 @@ class AsyncRunner(AsyncResource):
         episode_timeout = options.get("episode_timeout")
         retries = options.get("retries")
         self._check_open()
+        if options.get("init_states") is not None:
+            self._check_env_open("init_states", "makes each initial state's action")
+        if self._central is not None:
+            self._check_env_open("a CentralAgent", "reads each step's observation")
         if on_error not in ("raise", "continue"):
             raise ValueError(f'`on_error` must be "raise" or "continue", got {on_error!r}')
         if episode_timeout is not None:
@@ -567,12 +580,7 @@ class AsyncRunner(AsyncResource):
         if add_detailed_output:
             from .sinks._detail import DetailCollector
 
-            if getattr(self.env, "_BaseEnv__closed", False):
-                raise ValueError(
-                    "add_detailed_output needs the env this AsyncRunner was made with open (its "
-                    "observation space makes each step's observation), and env.close() was "
-                    "called: close it after the runs, or make a new env and AsyncRunner"
-                )
+            self._check_env_open("add_detailed_output", "makes each step's observation")
             collector = DetailCollector(self._env_for, compact=add_detailed_output == "compact")
             options = {**options, "sinks": [*options.get("sinks", ()), collector]}
         run = await self._prepare(nb_episode, options, streaming=False)

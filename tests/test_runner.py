@@ -15,7 +15,7 @@ import pytest
 from grid2op.Agent import BaseAgent, DoNothingAgent, RandomAgent
 from grid2op.Reward import AlarmReward
 
-from asyncrunner import AsyncRunner, EpisodeFinished, StepBatch
+from asyncrunner import AsyncRunner, CentralAgent, EpisodeFinished, StepBatch
 from asyncrunner._engine import _channel, _envs
 from asyncrunner._engine._pool import WorkerPool
 from asyncrunner._pools._fork import ForkPool
@@ -458,13 +458,20 @@ async def test_an_open_runner_saves_after_its_env_was_closed(tmp_path: Any) -> N
     from .conftest import make_env
 
     env = make_env()
-    async with AsyncRunner(env, agent=DoNothingAgent, workers=1) as runner:
+    central = AsyncRunner(env, agent=CentralAgent(DoNothingAgent), workers=1)
+    async with central, AsyncRunner(env, agent=DoNothingAgent, workers=1) as runner:
         await runner.run(1, max_iter=3)
         env.close()
         [result] = await runner.run(1, max_iter=3, path_save=tmp_path)
-        # Its observation space makes the detailed outputs' observations: not after its close.
+        # Its spaces make the detailed outputs' observations, the initial states' actions and a
+        # CentralAgent's observations: not after its close (the last two failed, blaming the
+        # state, or each episode with "'NoneType' object has no attribute 'from_vect'").
         with pytest.raises(ValueError, match=r"env\.close\(\) was called: close it after"):
             await runner.run(1, max_iter=3, add_detailed_output=True)
+        with pytest.raises(ValueError, match=r"init_states needs the env .* open"):
+            await runner.run(1, max_iter=3, init_states=[{"set_line_status": [(0, -1)]}])
+        with pytest.raises(ValueError, match=r"a CentralAgent needs the env .* open"):
+            await central.run(1, max_iter=3)
     assert result.nb_time_step == 3
     [(_, name)] = EpisodeData.list_episode(str(tmp_path))
     assert len(EpisodeData.from_disk(str(tmp_path), name).actions) == 3
