@@ -25,11 +25,20 @@ ROOT = Path(__file__).resolve().parent.parent
 def run_script(script: Path, *args: str) -> subprocess.CompletedProcess[str]:
     """``python SCRIPT ARGS`` in the script's folder, as a user runs theirs (its classes in
     ``__main__``), with this checkout importable (``tests.conftest``); 300 s at most."""
+    return _python([str(script), *args], script.parent)
+
+
+def run_code(code: str) -> subprocess.CompletedProcess[str]:
+    """``python -c CODE`` (a ``__main__`` without a file, as a notebook's), as ``run_script``."""
+    return _python(["-c", code], ROOT)
+
+
+def _python(args: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
     path = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
     return subprocess.run(
-        [sys.executable, str(script), *args],
+        [sys.executable, *args],
         env={**os.environ, "PYTHONPATH": path},
-        cwd=script.parent,
+        cwd=cwd,
         capture_output=True,
         text=True,
         timeout=300,

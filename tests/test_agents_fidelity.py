@@ -13,8 +13,6 @@ import json
 import logging
 import multiprocessing
 import os
-import subprocess
-import sys
 import textwrap
 import warnings
 from collections.abc import Iterator
@@ -38,7 +36,7 @@ from asyncrunner import AsyncRunner
 from asyncrunner.compat import _runner as compat
 
 from .conftest import make_env
-from .helpers import ROOT, grid2ops, run_script
+from .helpers import grid2ops, run_code, run_script
 
 
 def seeds(nb_episode: int) -> dict[str, Any]:
@@ -165,15 +163,7 @@ def test_a_recipe_key_is_the_same_in_every_process(env: Any) -> None:
         "from tests.conftest import make_env\n"
         "print(AsyncRunner(make_env(), agent=DoNothingAgent, workers=1)._recipe_key)\n"
     )
-    path = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
-    done = subprocess.run(
-        [sys.executable, "-c", code],
-        env={**os.environ, "PYTHONPATH": path},
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    done = run_code(code)
     assert done.returncode == 0, done.stderr
     here = AsyncRunner(env, agent=DoNothingAgent, workers=1)._recipe_key
     assert done.stdout.strip().splitlines()[-1] == here
@@ -265,15 +255,7 @@ def test_an_agent_class_of_a_main_without_a_file_plays_on_spawned_workers() -> N
         asyncio.run(main())
         """
     )
-    path = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
-    done = subprocess.run(
-        [sys.executable, "-c", code],
-        env={**os.environ, "PYTHONPATH": path},
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    done = run_code(code)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip().splitlines()[-1] == "[(5, None), (5, None)]", done.stdout
 

@@ -477,6 +477,17 @@ class Fresh(DoNothingAgent):  # type: ignore[misc]  # a recipe of its own in thi
     pass
 
 
+async def cancel_opening(runner: AsyncRunner, times: int) -> None:
+    """Open ``runner`` in a task that asyncio's own ``task.cancel()`` cancels ``times`` times,
+    0.05 s apart (while its env is held: ``_slow_hold``)."""
+    opening = asyncio.ensure_future(runner.__aenter__())
+    for _ in range(times):
+        await asyncio.sleep(0.05)
+        opening.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await opening
+
+
 @pytest.mark.parametrize(
     "meanwhile", ["closed", "opened again", "cancelled twice"], ids=lambda m: m.replace(" ", "_")
 )
@@ -503,14 +514,10 @@ async def test_a_hold_under_way_is_let_go_whatever_happens_meanwhile(
         assert holders(key) == 1
         await runner.aclose()
     else:
-        opening = asyncio.ensure_future(runner.__aenter__())
-        await asyncio.sleep(0.05)
-        opening.cancel()
-        await asyncio.sleep(0.05)
-        opening.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await opening
-        await asyncio.sleep(0.5)  # the hold's thread ends, and lets the env go
+        await cancel_opening(runner, times=2)
+        with anyio.fail_after(60):  # the hold's thread ends, and lets the env go
+            while holders(key) or _envs._FROZEN:  # noqa: ASYNC110  # a thread's, no event
+                await anyio.sleep(0.05)
     assert holders(key) == 0 and not _envs._FROZEN
     await wait_no_children(before)
     gc.collect()  # what the filter lets go, collected here
@@ -529,11 +536,7 @@ async def test_an_interrupted_opening_stops_its_workers_and_lets_its_env_go(
     runner = AsyncRunner(env, agent=Fresh, workers=2)
     key = runner._recipe_key
     if anyio_backend == "asyncio":
-        task = asyncio.ensure_future(runner.__aenter__())
-        await asyncio.sleep(0.05)
-        task.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await task
+        await cancel_opening(runner, times=1)
     else:
         with anyio.move_on_after(0.05) as scope:
             await runner.__aenter__()

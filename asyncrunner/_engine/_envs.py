@@ -350,19 +350,18 @@ def _release_dropped() -> None:
         _release(_DROPPED.pop())
 
 
-def _release(recipe_key: str) -> None:
-    with _ENVS_LOCK:
-        entry = _HELD.pop(recipe_key, None)
-        if entry is None:
-            return
-        cached, holders = entry
-        if holders > 1:
-            _HELD[recipe_key] = (cached, holders - 1)
-            return
-        try:
-            cached.close()
-        finally:
-            _thaw()
+def _release(recipe_key: str) -> None:  # under _ENVS_LOCK
+    entry = _HELD.pop(recipe_key, None)
+    if entry is None:
+        return
+    cached, holders = entry
+    if holders > 1:
+        _HELD[recipe_key] = (cached, holders - 1)
+        return
+    try:
+        cached.close()
+    finally:
+        _thaw()
 
 
 def exclusive() -> Any:
