@@ -119,7 +119,7 @@ class AsyncRunner(AsyncResource):
         retries: int = 1,
         copy_env: bool = False,
     ) -> None:
-        if getattr(env, "_BaseEnv__closed", False):
+        if _closed(env):
             raise ValueError("the env is closed: pass an open grid2op env (make a new one)")
         if not hasattr(env, "get_params_for_runner"):
             raise TypeError(f"env must be a grid2op Environment, got {type(env).__name__}")
@@ -373,7 +373,7 @@ class AsyncRunner(AsyncResource):
 
     def _check_env_open(self, what: str, why: str) -> None:
         """``what`` needs the env this runner was made with open: its space ``why``."""
-        if getattr(self.env, "_BaseEnv__closed", False):
+        if _closed(self.env):
             raise ValueError(
                 f"{what} needs the env this AsyncRunner was made with open (its space {why}), "
                 "and env.close() was called: close it after the runs, or make a new env and "
@@ -618,6 +618,15 @@ class AsyncRunner(AsyncResource):
                     yield receive
                 finally:
                     group.cancel_scope.cancel()
+
+
+def _closed(env: Any) -> bool:
+    """``env.close()`` was called: a multimix env's flag (read first: a closed one raises
+    grid2op's ``EnvError`` for any other attribute), or a single env's."""
+    return bool(
+        getattr(env, "_MultiMixEnvironment__closed", False)
+        or getattr(env, "_BaseEnv__closed", False)
+    )
 
 
 def _loop_closed(loop: tuple[str, object]) -> bool:

@@ -141,3 +141,20 @@ async def test_each_mixs_episodes_are_written_by_the_workers(
         assert r.mix is not None and r.name is not None
         assert r.path == str(tmp_path / r.mix / r.name)
         assert len(quiet(EpisodeData.from_disk, str(tmp_path / r.mix), r.name).actions) == 4
+
+
+@pytest.mark.anyio
+async def test_a_closed_multimix_env_is_named_as_closed(tmp_path: Path) -> None:
+    # A multimix env keeps its own closed flag, and once closed raises grid2op's EnvError for
+    # any attribute it does not have: that EnvError was what a user got.
+    env = make_env("l2rpn_neurips_2020_track2")
+    async with AsyncRunner(env, agent=SampleAgent, workers=1) as runner:
+        env.close()
+        results = await runner.run(1, path_save=tmp_path, **KWARGS)  # it plays on, as before
+        with pytest.raises(ValueError, match=r"add_detailed_output needs .* env\.close\(\) was"):
+            await runner.run(1, add_detailed_output=True, **KWARGS)
+        with pytest.raises(ValueError, match=r"init_states needs the env .* open"):
+            await runner.run(1, init_states=[{"set_line_status": [(0, -1)]}], **KWARGS)
+    assert [(r.mix, r.nb_time_step) for r in results] == [(m, 4) for m in MIXES]
+    with pytest.raises(ValueError, match="the env is closed: pass an open grid2op env"):
+        AsyncRunner(env, agent=SampleAgent)
