@@ -6,6 +6,7 @@ import asyncio
 import concurrent.futures
 import contextvars
 import inspect
+import math
 import numbers
 import os
 import sys
@@ -54,13 +55,73 @@ _INSIDE: contextvars.ContextVar[frozenset[anyio.CancelScope]] = contextvars.Cont
 
 
 def usable_cpus() -> int:
-    """The CPUs this process may run on: its affinity (``taskset``, a Slurm job's CPUs, a
-    container's cpuset), not the machine's count (``os.process_cpu_count`` of Python 3.13)."""
+    """The CPUs this process may use: its affinity (``taskset``, a Slurm job's CPUs, a
+    container's cpuset; ``os.process_cpu_count`` of Python 3.13), not the machine's count, and
+    no more than its cgroups' CPU quota allows (``docker --cpus``, a Kubernetes CPU limit, a
+    systemd ``CPUQuota=``), rounded up."""
     if sys.version_info >= (3, 13):
-        return os.process_cpu_count() or 1
-    if hasattr(os, "sched_getaffinity"):  # not on macOS or Windows
-        return len(os.sched_getaffinity(0)) or 1
-    return os.cpu_count() or 1
+        cpus = os.process_cpu_count() or 1
+    elif hasattr(os, "sched_getaffinity"):  # not on macOS or Windows
+        cpus = len(os.sched_getaffinity(0)) or 1
+    else:
+        cpus = os.cpu_count() or 1
+    quota = _cpu_quota()
+    return cpus if quota is None else max(1, min(cpus, math.ceil(quota)))
+
+
+def _cpu_quota() -> float | None:
+    """How many CPUs' worth of time this process's cgroups allow it: the smallest quota from
+    its cgroup up to the hierarchy's root (cgroup v2's ``cpu.max``, v1's ``cpu.cfs_quota_us``);
+    None without one (or off Linux). In a container, the hierarchy's root is its own cgroup."""
+    try:
+        with open("/proc/self/cgroup") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    quotas = []
+    for line in lines:
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        _, controllers, path = parts
+        if controllers == "":
+            roots, read = ["/sys/fs/cgroup"], _cpu_max
+        elif "cpu" in controllers.split(","):
+            roots, read = [f"/sys/fs/cgroup/{controllers}", "/sys/fs/cgroup/cpu"], _cfs_quota
+        else:
+            continue
+        root = next((r for r in roots if os.path.isdir(r)), None)
+        if root is None:
+            continue
+        folder = os.path.normpath(os.path.join(root, path.lstrip("/")))
+        while True:  # a folder the process's view lacks (a container's) is skipped
+            quota = read(folder)
+            if quota is not None:
+                quotas.append(quota)
+            if folder == root or not folder.startswith(root):
+                break
+            folder = os.path.dirname(folder)
+    return min(quotas, default=None)
+
+
+def _cpu_max(folder: str) -> float | None:
+    try:
+        with open(os.path.join(folder, "cpu.max")) as f:
+            quota, period = f.read().split()[:2]
+        return None if quota == "max" else int(quota) / int(period)
+    except (OSError, ValueError, ZeroDivisionError):
+        return None
+
+
+def _cfs_quota(folder: str) -> float | None:
+    try:
+        with open(os.path.join(folder, "cpu.cfs_quota_us")) as f:
+            quota = int(f.read())
+        with open(os.path.join(folder, "cpu.cfs_period_us")) as f:
+            period = int(f.read())
+    except (OSError, ValueError):
+        return None
+    return quota / period if quota > 0 and period > 0 else None
 
 
 class RunOptions(TypedDict, total=False):

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import gc
 import multiprocessing
+import os
 import pickle
+import time
 import weakref
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -21,7 +24,7 @@ from asyncrunner._engine._pool import WorkerPool
 from asyncrunner._pools._fork import ForkPool
 from asyncrunner._runner import sharing_workers
 
-from .helpers import BOTH_LOOPS, starts
+from .helpers import BOTH_LOOPS, run_code, starts
 
 pytestmark = pytest.mark.anyio
 
@@ -447,6 +450,55 @@ async def test_bad_runner_arguments(env: Any) -> None:
     closed.close()
     with pytest.raises(ValueError, match="closed"):
         AsyncRunner(closed, agent=DoNothingAgent)
+
+
+_IN_CGROUP = """
+import asyncio, sys, warnings
+with open(sys.argv[1], "w") as f:  # this process into the cgroup
+    f.write(str(__import__("os").getpid()))
+warnings.simplefilter("ignore")
+from grid2op.Agent import DoNothingAgent
+from asyncrunner import AsyncRunner
+from asyncrunner._runner import usable_cpus
+from tests.conftest import make_env
+
+async def main():
+    async with AsyncRunner(make_env(), agent=DoNothingAgent) as runner:
+        results = await runner.run(3, max_iter=3)
+        print(usable_cpus(), runner.workers, len(runner._pids), [r.nb_time_step for r in results])
+
+asyncio.run(main())
+"""
+
+
+def test_a_cgroup_cpu_quota_caps_the_default_workers() -> None:
+    # ``docker --cpus=1`` or a Kubernetes limit of one CPU on a bigger machine: the affinity
+    # still lists every CPU, and the default workers (one per CPU, each with its env) all
+    # played in a quota of one. A quota set on the process's cgroup's parent counts too.
+    root = Path("/sys/fs/cgroup/cpu")
+    if not os.access(root / "cgroup.procs", os.W_OK):
+        pytest.skip("needs a writable cgroup v1 cpu hierarchy (root, on Linux)")
+    outer = root / f"asyncrunner-test-{os.getpid()}"
+    inner = outer / "inner"
+    outer.mkdir()
+    try:
+        inner.mkdir()
+        period = int((outer / "cpu.cfs_period_us").read_text())
+        (outer / "cpu.cfs_quota_us").write_text(str(period))  # one CPU's worth
+        code = _IN_CGROUP.replace("sys.argv[1]", repr(str(inner / "cgroup.procs")))
+        out = run_code(code)
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.split() == ["1", "1", "1", "[3,", "3,", "3]"]
+    finally:
+        for folder in (inner, outer):
+            for _ in range(50):  # its processes may still be leaving it
+                try:
+                    folder.rmdir()
+                    break
+                except FileNotFoundError:
+                    break
+                except OSError:
+                    time.sleep(0.1)
 
 
 async def test_an_open_runner_saves_after_its_env_was_closed(tmp_path: Any) -> None:
