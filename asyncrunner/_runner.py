@@ -338,7 +338,7 @@ class AsyncRunner(AsyncResource):
         if not self._get_pool().forks_this_process:
             return
         if self.copy_env:
-            _check_no_pending_parameters(self._first_env)
+            _check_parameters_as_built(self._first_env)
         with self._hold_lock:
             if self._held or self._holding is not None:
                 return  # another opening of this runner holds it, or is holding it
@@ -725,10 +725,13 @@ def _check_sinks(sinks: Sequence[Sink]) -> None:
                 )
 
 
-def _check_no_pending_parameters(env: Any) -> None:
-    """``copy_env``'s copies would apply parameters given to ``env.change_parameters`` (or
-    ``change_forecast_parameters``) at their first reset, where grid2op's Runner builds its env
-    with the env's current ones (``get_params_for_runner``): refuse rather than differ."""
+def _check_parameters_as_built(env: Any) -> None:
+    """grid2op's Runner builds its env with the env's current parameters
+    (``get_params_for_runner``), for its steps and its forecasts (``obs.simulate``) alike;
+    ``copy_env``'s copies keep the env's own. Refuse rather than differ where those are not the
+    same: parameters given to ``env.change_parameters`` or ``change_forecast_parameters`` (the
+    copies apply them at their first reset), and forecasts on other parameters than the env's
+    (``change_parameters`` then a reset changes the env's, not its forecasts')."""
     pending = [
         call
         for call, attr in (
@@ -741,7 +744,16 @@ def _check_no_pending_parameters(env: Any) -> None:
         raise ValueError(
             f"copy_env=True: the env has parameters given to env.{pending[0]}(...) that apply at "
             "its next reset, so copies of it would not play as grid2op's Runner plays this env: "
-            "call env.reset() first, or use copy_env=False"
+            "use copy_env=False (or pass the parameters to grid2op.make(..., param=...))"
+        )
+    forecasts = getattr(getattr(env, "_observation_space", None), "_simulate_parameters", None)
+    if forecasts is not None and forecasts.to_dict() != env.parameters.to_dict():
+        raise ValueError(
+            "copy_env=True: the env's forecasts (obs.simulate) use other parameters than the env "
+            "(env.change_parameters(...) and a reset since grid2op.make, or "
+            "env.change_forecast_parameters(...)), where grid2op's Runner builds an env whose "
+            "forecasts use the env's parameters, so copies of it would not play as it plays: "
+            "use copy_env=False (or pass the parameters to grid2op.make(..., param=...))"
         )
 
 

@@ -24,7 +24,7 @@ from asyncrunner._engine._pool import WorkerPool
 from asyncrunner._pools._fork import ForkPool
 from asyncrunner._runner import sharing_workers
 
-from .helpers import BOTH_LOOPS, run_code, starts
+from .helpers import BOTH_LOOPS, grid2ops, quiet, run_code, starts
 
 pytestmark = pytest.mark.anyio
 
@@ -259,25 +259,56 @@ def test_copy_env_must_be_a_bool(env: Any) -> None:
         AsyncRunner(env, agent=DoNothingAgent, copy_env="yes")  # type: ignore[arg-type]
 
 
-async def test_copy_env_refuses_an_env_with_parameters_pending_a_reset(env: Any) -> None:
-    # Its copies would apply them at their first reset; grid2op's Runner builds with the
-    # env's current ones: refused before any worker starts, and fine once the env is reset.
-    changed = env.copy()
-    try:
-        params = changed.parameters
-        params.NO_OVERFLOW_DISCONNECTION = True
-        changed.change_parameters(params)
-        runner = AsyncRunner(changed, agent=DoNothingAgent, workers=1, copy_env=True)
+class _BestOfSimulated(BaseAgent):  # type: ignore[misc]  # grid2op is untyped
+    """The best of three sampled actions as ``obs.simulate`` rates them: plays what the
+    forecasts' parameters give."""
+
+    def act(self, observation: Any, reward: float, done: bool = False) -> Any:
+        best, best_reward = self.action_space(), -np.inf
+        for _ in range(3):
+            action = self.action_space.sample()
+            _, simulated, over, _ = observation.simulate(action)
+            if not over and simulated > best_reward:
+                best, best_reward = action, simulated
+        return best
+
+
+async def test_copy_env_refuses_an_env_whose_forecasts_differ_from_a_build(env: Any) -> None:
+    # grid2op's Runner builds its env with the env's parameters, for its steps and for its
+    # forecasts. Copies apply pending parameters at their first reset; and after
+    # change_parameters and a reset the env's forecasts keep the old ones. The refusal's
+    # "call env.reset() first" was accepted then, and copies played other episodes than grid2op's
+    # Runner (found by the env variants hunt: rewards and steps differed).
+    from grid2op.Runner import Runner as GridRunner
+
+    kwargs: dict[str, Any] = dict(max_iter=12, env_seeds=[1, 2], agent_seeds=[3, 4])
+
+    async def refused(match: str) -> None:
+        runner = AsyncRunner(changed, agent=_BestOfSimulated, workers=1, copy_env=True)
         try:
-            with pytest.raises(
-                ValueError, match=r"change_parameters\(...\) that apply at its next"
-            ):
+            with pytest.raises(ValueError, match=match):
                 await runner.__aenter__()
         finally:
             await runner.aclose()
+
+    changed = env.copy()
+    try:
+        params = changed.parameters
+        params.ENV_DC = params.FORECAST_DC = True
+        changed.change_parameters(params)
+        await refused(r"change_parameters\(...\) that apply at its next reset.*copy_env=False")
         changed.reset()
-        async with AsyncRunner(changed, agent=DoNothingAgent, workers=1, copy_env=True) as runner:
-            assert (await runner.run(1, max_iter=2))[0].nb_time_step == 2
+        await refused(r"forecasts \(obs\.simulate\) use other parameters than the env")
+        changed.change_forecast_parameters(params)
+        await refused(r"change_forecast_parameters\(...\) that apply")
+        changed.reset()  # the env's and its forecasts' parameters are the same again
+        runner = quiet(GridRunner, **changed.get_params_for_runner(), agentClass=_BestOfSimulated)
+        expected = grid2ops(runner.run, nb_episode=2, nb_process=1, **kwargs)
+        async with AsyncRunner(
+            changed, agent=_BestOfSimulated, workers=1, copy_env=True
+        ) as copying:
+            results = await copying.run(2, **kwargs)
+        assert [r.as_tuple() for r in results] == [tuple(e[:5]) for e in expected]
     finally:
         changed.close()
 
