@@ -225,13 +225,13 @@ class AsyncRunner(AsyncResource):
             sources = dict(self._mixes.items())
         # The standard library's pools run this script as their workers' ``__main__`` (forked,
         # or imported as ``__mp_main__``); others' workers (Dask's command, loky's) do not: they
-        # get this script's classes by value. So do a process pool's when ``__main__`` is no
-        # file its spawned workers could import (a notebook's cells, ``python -c``).
+        # get this script's classes by value. So do a process pool's when its spawned workers
+        # would not import this ``__main__`` (``_spawned_workers_import_main``).
         by_value = executor is not None and not isinstance(
             executor, concurrent.futures.ThreadPoolExecutor
         )
         if isinstance(executor, concurrent.futures.ProcessPoolExecutor):
-            by_value = not hasattr(sys.modules["__main__"], "__file__")
+            by_value = not _spawned_workers_import_main()
         self._recipes = recipes(sources, agent, kind, payload, main_by_value=by_value)
         # The first (or only) recipe: the env the workers build while warming up.
         self._recipe_key, self._recipe_bytes = next(iter(self._recipes.values()))
@@ -679,6 +679,19 @@ class AsyncRunner(AsyncResource):
                     yield receive
                 finally:
                     group.cancel_scope.cancel()
+
+
+def _spawned_workers_import_main() -> bool:
+    """The standard library's spawned (and forkserver) workers import this process's
+    ``__main__`` as theirs: by its module's name (``python -m package.module``), else its file
+    (``python script.py``); never a package's ``__main__.py`` (``python -m package``) nor a
+    zipapp's (``multiprocessing.spawn._fixup_main_from_name`` skips them), nor a ``__main__``
+    without a file (a notebook's cells, ``python -c``)."""
+    main = sys.modules["__main__"]
+    name = getattr(getattr(main, "__spec__", None), "name", None)
+    if name is not None:
+        return name != "__main__" and not name.endswith(".__main__")
+    return hasattr(main, "__file__")
 
 
 def _closed(env: Any) -> bool:

@@ -33,6 +33,11 @@ def run_code(code: str) -> subprocess.CompletedProcess[str]:
     return _python(["-c", code], ROOT)
 
 
+def run_module(folder: Path, name: str) -> subprocess.CompletedProcess[str]:
+    """``python -m NAME`` in ``folder``, as ``run_script``."""
+    return _python(["-m", name], folder)
+
+
 def _python(args: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
     path = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
     return subprocess.run(

@@ -13,8 +13,8 @@ import json
 import logging
 import multiprocessing
 import os
-import textwrap
 import warnings
+import zipapp
 from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from pathlib import Path
@@ -36,7 +36,7 @@ from asyncrunner import AsyncRunner
 from asyncrunner.compat import _runner as compat
 
 from .conftest import make_env
-from .helpers import grid2ops, run_code, run_script
+from .helpers import grid2ops, run_code, run_module, run_script
 
 
 def seeds(nb_episode: int) -> dict[str, Any]:
@@ -228,34 +228,51 @@ def test_local_agent_instance_plays_on_spawned_workers(
     assert async_run(env, instance, spawn_pool) == by_instance
 
 
+_SPAWNED_MAIN = """
+import asyncio, multiprocessing
+from concurrent.futures import ProcessPoolExecutor
+from grid2op.Agent import DoNothingAgent
+from asyncrunner import AsyncRunner
+from tests.conftest import make_env
+
+class CellAgent(DoNothingAgent):
+    pass
+
+async def main():
+    env = make_env()
+    spawn = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(2, mp_context=spawn) as pool:
+        async with AsyncRunner(env, agent=CellAgent, executor=pool) as runner:
+            results = await runner.run(2, max_iter=5)
+    print([(r.nb_time_step, r.error) for r in results])
+
+asyncio.run(main())
+"""
+
+
 @pytest.mark.slow  # spawned interpreters import grid2op (seconds each)
-def test_an_agent_class_of_a_main_without_a_file_plays_on_spawned_workers() -> None:
-    """A notebook's cells (``python -c`` here) are a ``__main__`` that spawned workers cannot
-    import: its classes failed every episode ("Can't get attribute 'CellAgent' on <module
-    '__main__' (built-in)>"). They go by value to such pools."""
-    code = textwrap.dedent(
-        """
-        import asyncio, multiprocessing
-        from concurrent.futures import ProcessPoolExecutor
-        from grid2op.Agent import DoNothingAgent
-        from asyncrunner import AsyncRunner
-        from tests.conftest import make_env
-
-        class CellAgent(DoNothingAgent):
-            pass
-
-        async def main():
-            env = make_env()
-            spawn = multiprocessing.get_context("spawn")
-            with ProcessPoolExecutor(2, mp_context=spawn) as pool:
-                async with AsyncRunner(env, agent=CellAgent, executor=pool) as runner:
-                    results = await runner.run(2, max_iter=5)
-            print([(r.nb_time_step, r.error) for r in results])
-
-        asyncio.run(main())
-        """
-    )
-    done = run_code(code)
+@pytest.mark.parametrize("main", ["python -c", "python -m package", "zipapp"])
+def test_an_agent_class_of_a_main_spawned_workers_cannot_import_plays_there(
+    main: str, tmp_path: Path
+) -> None:
+    """A notebook's cells (``python -c`` here), a package's ``__main__.py`` (``python -m
+    package``) and a zipapp's are a ``__main__`` that spawned workers do not import (the
+    standard library's ``_fixup_main_from_name`` skips ``__main__`` and ``*.__main__``): their
+    classes failed every episode ("Can't get attribute 'CellAgent' on <module '__main__'
+    (built-in)>"; the last two found by the runtime hunt). They go by value to such pools."""
+    if main == "python -c":
+        done = run_code(_SPAWNED_MAIN)
+    else:
+        package = tmp_path / "evaluation"
+        package.mkdir()
+        (package / "__init__.py").write_text("")
+        (package / "__main__.py").write_text(_SPAWNED_MAIN)
+        if main == "python -m package":
+            done = run_module(tmp_path, "evaluation")
+        else:
+            (package / "__init__.py").unlink()
+            zipapp.create_archive(package, tmp_path / "evaluation.pyz")
+            done = run_script(tmp_path / "evaluation.pyz")
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip().splitlines()[-1] == "[(5, None), (5, None)]", done.stdout
 

@@ -112,6 +112,26 @@ def test_save_writes_one_folder_per_episode(tmp_path: Path) -> None:
     assert sorted(name for _, name in episodes) == ["0000", "0001"]
 
 
+def test_a_reader_that_leaves_ends_the_output_quietly(tmp_path: Path) -> None:
+    # ``asyncrunner run | head -1``: the table's print met a closed pipe and Python printed a
+    # BrokenPipeError traceback (found by the runtime hunt, one run in two). Here the pipe's
+    # reader leaves before anything is written: the run plays and saves, the table's print
+    # stops the command, quietly, with 1 as a pipe's writer does.
+    with subprocess.Popen(
+        [_script(), "run", *SMALL, "--save", "runs"],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    ) as process:
+        assert process.stdout is not None and process.stderr is not None
+        process.stdout.close()
+        stderr = process.stderr.read()
+        assert process.wait(timeout=240) == 1, stderr
+    assert "Traceback" not in stderr and "BrokenPipeError" not in stderr, stderr
+    assert sorted(p.name for p in (tmp_path / "runs").iterdir() if p.is_dir()) == ["0000", "0001"]
+
+
 BAD = {
     "negative episodes": (["--episodes", "-1"], "--episodes"),
     "zero workers": (["--workers", "0"], "--workers"),

@@ -35,6 +35,7 @@ from asyncrunner._engine._dispatch import SINK_BUFFER
 from asyncrunner.sinks import CallbackSink, EpisodeDataWriter, LoggingSink, ProgressBar, Sink
 
 from .conftest import make_env
+from .helpers import run_code
 
 pytestmark = pytest.mark.anyio
 
@@ -261,6 +262,31 @@ async def test_pbar_instance_is_the_episode_bar(runner: AsyncRunner) -> None:
 
     assert FakeBar.instances == [bar]
     assert (bar.total, bar.n, bar.closed) == (3, 3, True)
+
+
+_NO_STDERR = """
+import sys, warnings
+warnings.simplefilter("ignore")
+sys.stderr = None  # pythonw, `python script.py 2>&-`, a daemon that closed its fd 2
+from grid2op.Agent import DoNothingAgent
+from asyncrunner import compat
+from tests.conftest import make_env
+
+env = make_env()
+for nb_process in (1, 2):
+    runner = compat.Runner(**env.get_params_for_runner(), agentClass=DoNothingAgent)
+    print([r[3] for r in runner.run(nb_episode=2, nb_process=nb_process, max_iter=3, pbar=True)])
+    runner.close()
+"""
+
+
+def test_pbar_true_without_a_stderr_plays_without_a_bar() -> None:
+    # tqdm failed on the ``None`` stream (the run with it) and left its lock held by the thread
+    # that drew the bar: the next bar waited forever, and so did the process at its exit (found
+    # by the runtime hunt; grid2op's Runner with nb_process=2 plays, drawing no bar).
+    done = run_code(_NO_STDERR)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["[3,", "3]", "[3,", "3]"]
 
 
 class NoStepsRecorder(Sink):

@@ -3,6 +3,8 @@ command to its module (imported only when it runs: ``show`` and ``score`` start 
 
 from __future__ import annotations
 
+import contextlib
+import os
 import sys
 from collections.abc import Sequence
 
@@ -11,6 +13,19 @@ __all__ = ["main"]
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``asyncrunner`` and ``python -m asyncrunner``; returns the exit status."""
+    try:
+        return _command(argv)
+    except BrokenPipeError:
+        # The output's reader left (``asyncrunner run | head -1``): stop as a pipe's writer
+        # does, without a traceback (nor another as Python flushes the streams at its exit).
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(AttributeError, OSError, ValueError):
+                os.dup2(devnull, stream.fileno())
+        return 1
+
+
+def _command(argv: Sequence[str] | None) -> int:
     args_list = list(sys.argv[1:] if argv is None else argv)
     if args_list[:1] == ["show"]:
         from ._show import main as show

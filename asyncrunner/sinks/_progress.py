@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 from .._model import (
@@ -47,6 +48,8 @@ class ProgressBar(Sink):
     def _open(self, nb_episode: int) -> None:
         pbar = self.pbar
         if pbar is True:
+            if sys.stderr is None:  # pythonw, `2>&-`, a daemon: nowhere to draw (tqdm would
+                return  # fail, and leave its lock held: the process then hangs at its exit)
             from tqdm.auto import tqdm
 
             self._episodes = tqdm(total=nb_episode, desc="episode", unit="ep", position=0)
