@@ -178,6 +178,7 @@ class _Worker:
         self.conn = AsyncSocket(mine)
         assert self.process.pid is not None  # set by start()
         self.pid = self.process.pid
+        self.exitcode: int | None = None  # once reaped
 
     async def call(
         self, fn: Callable[..., Any], args: tuple[Any, ...], threads: anyio.CapacityLimiter
@@ -205,6 +206,13 @@ class _Worker:
         self.process.kill()
         self.process.join()
         self.close()
+        self.reap()
+
+    def reap(self) -> None:
+        """The process ended (joined): keep its exit code and close its pipes now, not when the
+        garbage collector gets to them (a failed run's traceback kept them: 2 per worker)."""
+        self.exitcode = self.process.exitcode
+        self.process.close()
 
     def close(self) -> None:
         """Close this side of the worker's socket (it then exits, once idle)."""
@@ -294,6 +302,7 @@ class ForkPool(WorkerPool):
                 if worker.process.exitcode is None:
                     worker.process.kill()
                     worker.process.join()
+                worker.reap()
 
         with anyio.CancelScope(shield=True):
             await anyio.to_thread.run_sync(stop, limiter=self._threads)
