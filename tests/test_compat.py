@@ -207,6 +207,21 @@ def test_a_with_block_keeps_one_pool_and_saving_replaces_like_grid2op(
             os.kill(pid, 0)
 
 
+def test_grid2op_saving_over_our_folder_reads_back_its_own_episode(
+    env: Any, tmp_path: Path
+) -> None:
+    # The drop-in, then grid2op's Runner again, into one folder: grid2op writes its files over
+    # ours. A legal_ambiguous.npz of ours stayed, and grid2op's from_disk read it: the flags of
+    # the earlier episode (illegal steps it did not play), found by the consumers hunt.
+    kwargs: dict[str, Any] = dict(nb_episode=1, max_iter=6, episode_id=[0], path_save=tmp_path)
+    with compat_runner(env, agentClass=SampleAgent) as ours:
+        ours.run(env_seeds=[11], agent_seeds=[101], **kwargs)
+    grid2ops(grid_runner(env, agentClass=DoNothingAgent).run, env_seeds=[12], **kwargs)
+    read = quiet(EpisodeData.from_disk, str(tmp_path), "0000")
+    assert not read.has_legal_ambiguous and read.legal is None  # as grid2op's own folders
+    assert len(read.actions) == 6 and all(not a.as_dict() for a in read.actions)
+
+
 @pytest.mark.parametrize("failing", ["moving the kept files", "the old folder aside", "placing"])
 def test_a_full_disk_while_replacing_a_folder_keeps_it_and_raises_oserror(
     env: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, failing: str

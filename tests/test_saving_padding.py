@@ -99,7 +99,8 @@ def test_padded_npz_reads_as_savez_compressed(
 
 
 def test_padded_npz_of_a_two_column_fill() -> None:
-    """``legal_ambiguous.npz``: legal pads with True, ambiguous with False."""
+    """Rows of two columns (a compact episode's legal and ambiguous flags): each column pads
+    with its own value."""
     head = np.array([[True, True], [False, True], [True, False]])
     padded = Padded(head, 100, np.array([True, False]))
     assert np.load(io.BytesIO(npz_bytes(data=padded)))["data"].tobytes() == (
@@ -171,10 +172,11 @@ async def test_short_episode_saved_whole(tmp_path: Path) -> None:
             ours = getattr(saved, name).collection
             assert ours.shape[0] == result.max_ts + (name == "observations")
             assert ours.tobytes() == getattr(detail, name).collection.tobytes(), name
-        for name in ("rewards", "disc_lines", "times", "legal", "ambiguous"):
+        for name in ("rewards", "disc_lines", "times"):
             ours = np.asarray(getattr(saved, name))
             assert ours.shape[0] == result.max_ts
             assert ours.tobytes() == np.asarray(getattr(detail, name)).tobytes(), name
+        assert saved.legal is None and len(detail.legal) == result.max_ts  # as grid2op's
 
 
 @pytest.mark.anyio
@@ -314,10 +316,8 @@ async def test_batches_whose_arrays_no_sink_reads_leave_rarely_and_every_row_is_
     for name in ("actions", "env_modifications", "observations", "rewards", "opponent_attack"):
         with np.load(saved[True] / f"{name}.npz") as a, np.load(saved[False] / f"{name}.npz") as b:
             np.testing.assert_array_equal(a["data"], b["data"], err_msg=name)
-    for name in ("disc_lines_cascading_failure", "legal_ambiguous"):
-        assert (saved[True] / f"{name}.npz").read_bytes() == (
-            saved[False] / f"{name}.npz"
-        ).read_bytes()
+    name = "disc_lines_cascading_failure.npz"
+    assert (saved[True] / name).read_bytes() == (saved[False] / name).read_bytes()
 
 
 def test_rows_are_filled_as_to_vect_lays_them_out(wheel_env: Any) -> None:

@@ -12,8 +12,6 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-import numpy as np
-
 from .._model import EpisodeFinished, EpisodeStarted
 from .._plan._layout import (
     NAME_TAKEN,
@@ -23,7 +21,7 @@ from .._plan._layout import (
     sync,
 )
 from ._buffer import EpisodeBuffer
-from ._npz import Padded, npz_bytes
+from ._npz import npz_bytes
 from ._writer import Writer, json_bytes
 
 __all__ = ["EpisodeDataWriter", "episode_data_files"]
@@ -36,10 +34,11 @@ class EpisodeDataWriter(Writer):
     grid2op's replay tools and grid2viz) and matches what grid2op's ``Runner.run(path_save=...)``
     writes: the four ``dict_*_space.json`` at the top (kept if already there), and per episode
     ``_parameters.json``, ``episode_meta.json``, ``episode_times.json``, ``other_rewards.json``,
-    ``grid2op.info`` and the ``.npz`` arrays with grid2op's shapes, dtypes and padding. Two more
-    files: ``legal_ambiguous.npz`` (read by ``EpisodeData.from_disk``, which then exposes
-    ``legal`` / ``ambiguous``) and ``asyncrunner.json`` (what was requested, the agent, and
-    each file's size and sha256, for ``resume``).
+    ``grid2op.info`` and the ``.npz`` arrays with grid2op's shapes, dtypes and padding. One more
+    file: ``asyncrunner.json`` (what was requested, the agent, and each file's size and sha256,
+    for ``resume``). No ``legal_ambiguous.npz``: grid2op's Runner writes none, and its
+    ``EpisodeData.from_disk`` reads one where it is, so one left by an episode saved here before
+    gave the legal and ambiguous flags of that episode to one grid2op's Runner saved over it.
 
     Folders appear complete or not at all: an episode is written in a hidden temporary folder,
     flushed to the disk and renamed into place; a failed or cancelled episode leaves nothing that
@@ -102,12 +101,6 @@ def episode_data_files(
     }
     names = started.other_reward_names
     played = arrays["other_rewards"].head.tolist()
-    legal, ambiguous = arrays["legal"], arrays["ambiguous"]
-    legal_ambiguous = Padded(
-        np.stack((legal.head, ambiguous.head), axis=1),
-        legal.rows,
-        np.stack((legal.fill, ambiguous.fill)),
-    )
     files = {
         "_parameters.json": json_bytes(dict(started.parameters)),
         "episode_meta.json": json_bytes(meta),
@@ -120,7 +113,6 @@ def episode_data_files(
         "opponent_attack.npz": npz_bytes(data=arrays["attacks"]),
         "disc_lines_cascading_failure.npz": npz_bytes(data=arrays["disc_lines"]),
         "rewards.npz": npz_bytes(data=arrays["rewards"]),
-        "legal_ambiguous.npz": npz_bytes(data=legal_ambiguous),
         "grid2op.info": json_bytes({"version": f"{GRID2OP_CURRENT_VERSION_STR}"}),
     }
     record = {
