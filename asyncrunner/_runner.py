@@ -165,8 +165,9 @@ class AsyncRunner(AsyncResource):
     grid2op's Runner builds one: the first step comes sooner (no grid to load), and each episode
     still plays a copy of that env. The results equal grid2op's Runner's when ``env`` is as
     ``grid2op.make`` returned it (``tests/test_parity.py``), not after you stepped, reset,
-    seeded or changed it (parameters given to ``env.change_parameters`` and not applied by a
-    reset yet are refused). Other workers (spawned, an executor, Dask) build their env as usual.
+    seeded or changed it (parameters given to ``env.change_parameters`` or
+    ``change_forecast_parameters``, and forecasts on other parameters than the env's, are
+    refused). Other workers (spawned, an executor, Dask) build their env as usual.
     """
 
     def __init__(
@@ -225,13 +226,19 @@ class AsyncRunner(AsyncResource):
             sources = dict(self._mixes.items())
         # The standard library's pools run this script as their workers' ``__main__`` (forked,
         # or imported as ``__mp_main__``); others' workers (Dask's command, loky's) do not: they
-        # get this script's classes by value. So do a process pool's when its spawned workers
-        # would not import this ``__main__`` (``_spawned_workers_import_main``).
+        # get this script's classes by value. So do a process pool's when ``__main__`` is no
+        # file (a notebook's cells, ``python -c``: even forked workers, forked before a cell
+        # defined a class, lack it), or when its spawned workers would not import it
+        # (``_spawned_workers_import_main``).
         by_value = executor is not None and not isinstance(
             executor, concurrent.futures.ThreadPoolExecutor
         )
         if isinstance(executor, concurrent.futures.ProcessPoolExecutor):
-            by_value = not _spawned_workers_import_main()
+            context = getattr(executor, "_mp_context", None)
+            forks = context is not None and context.get_start_method() == "fork"
+            by_value = not hasattr(sys.modules["__main__"], "__file__") or (
+                not forks and not _spawned_workers_import_main()
+            )
         self._recipes = recipes(sources, agent, kind, payload, main_by_value=by_value)
         # The first (or only) recipe: the env the workers build while warming up.
         self._recipe_key, self._recipe_bytes = next(iter(self._recipes.values()))
@@ -760,7 +767,7 @@ def _check_parameters_as_built(env: Any) -> None:
             "use copy_env=False (or pass the parameters to grid2op.make(..., param=...))"
         )
     forecasts = getattr(getattr(env, "_observation_space", None), "_simulate_parameters", None)
-    if forecasts is not None and forecasts.to_dict() != env.parameters.to_dict():
+    if forecasts is not None and not _same_values(forecasts.to_dict(), env.parameters.to_dict()):
         raise ValueError(
             "copy_env=True: the env's forecasts (obs.simulate) use other parameters than the env "
             "(env.change_parameters(...) and a reset since grid2op.make, or "
@@ -768,6 +775,15 @@ def _check_parameters_as_built(env: Any) -> None:
             "forecasts use the env's parameters, so copies of it would not play as it plays: "
             "use copy_env=False (or pass the parameters to grid2op.make(..., param=...))"
         )
+
+
+def _same_values(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """``a == b``, a NaN equal to a NaN (grid2op takes ``SOFT_OVERFLOW_THRESHOLD=nan``)."""
+    return a.keys() == b.keys() and all(
+        x == y
+        or (isinstance(x, float) and isinstance(y, float) and math.isnan(x) and math.isnan(y))
+        for x, y in ((a[k], b[k]) for k in a)
+    )
 
 
 async def _detailed(results: list[EpisodeResult], data: dict[int, Any]) -> list[EpisodeResult]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -120,6 +121,8 @@ def test_a_reader_that_leaves_ends_the_output_quietly(tmp_path: Path) -> None:
     with subprocess.Popen(
         [_script(), "run", *SMALL, "--save", "runs"],
         cwd=tmp_path,
+        # block-buffered as in a shell (the print then succeeds; the flush at the end fails)
+        env={k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"},
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

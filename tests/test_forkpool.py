@@ -6,6 +6,7 @@ import ctypes
 import ctypes.util
 import gc
 import os
+import signal
 import threading
 import time
 from typing import Any
@@ -159,6 +160,22 @@ async def test_ended_workers_leave_no_file_descriptor_open() -> None:
     await pool.aclose()
     assert sorted(os.listdir("/proc/self/fd")) == before
     assert stopped.exitcode == 0 and died.value is not None
+
+
+async def test_workers_reaped_by_another_stop_cleanly() -> None:
+    # A program that ignores SIGCHLD (its children reaped by the kernel), or reaps them with
+    # waitpid(-1): a worker's exit code is then unknown, and closing its process raised
+    # "Cannot close a process while it is still running" as the pool stopped (compat.Runner
+    # lost its results), found by the review.
+    previous = signal.signal(signal.SIGCHLD, signal.SIG_IGN)
+    try:
+        pool = ForkPool(anyio.CapacityLimiter(2))
+        assert (await pool.call(pid_plus, 1))[1] == 2
+        worker = next(iter(pool._idle))
+        await pool.aclose()
+        assert worker.exitcode is None and not alive(worker.pid)
+    finally:
+        signal.signal(signal.SIGCHLD, previous)
 
 
 async def test_a_cancelled_call_kills_its_worker(tmp_path: Any) -> None:

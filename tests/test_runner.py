@@ -313,6 +313,24 @@ async def test_copy_env_refuses_an_env_whose_forecasts_differ_from_a_build(env: 
         changed.close()
 
 
+def test_copy_env_takes_an_env_made_with_a_nan_parameter() -> None:
+    # grid2op takes SOFT_OVERFLOW_THRESHOLD=nan; the env's and its forecasts' parameters are
+    # the same, and a NaN is not equal to itself: compared as the same value (found by review).
+    from grid2op.Parameters import Parameters
+
+    from asyncrunner._runner import _check_parameters_as_built
+
+    from .conftest import make_env
+
+    params = Parameters()
+    params.SOFT_OVERFLOW_THRESHOLD = float("nan")
+    made = make_env(param=params)
+    try:
+        _check_parameters_as_built(made)
+    finally:
+        made.close()
+
+
 async def test_thermal_limit_reset_option_does_not_leak(env: Any, grid2op_reference: Any) -> None:
     low = env.get_thermal_limit() * 0.5
     kwargs: dict[str, Any] = dict(

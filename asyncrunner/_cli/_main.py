@@ -14,7 +14,11 @@ __all__ = ["main"]
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``asyncrunner`` and ``python -m asyncrunner``; returns the exit status."""
     try:
-        return _command(argv)
+        status = _command(argv)
+        for stream in (sys.stdout, sys.stderr):  # what is still buffered meets the pipe here
+            if stream is not None:
+                stream.flush()
+        return status
     except BrokenPipeError:
         # The output's reader left (``asyncrunner run | head -1``): stop as a pipe's writer
         # does, without a traceback (nor another as Python flushes the streams at its exit).

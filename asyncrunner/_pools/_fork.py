@@ -212,7 +212,8 @@ class _Worker:
         """The process ended (joined): keep its exit code and close its pipes now, not when the
         garbage collector gets to them (a failed run's traceback kept them: 2 per worker)."""
         self.exitcode = self.process.exitcode
-        self.process.close()
+        if self.exitcode is not None:  # None: reaped by another (SIGCHLD ignored, a
+            self.process.close()  # waitpid(-1)): close() would raise, and lose the run
 
     def close(self) -> None:
         """Close this side of the worker's socket (it then exits, once idle)."""

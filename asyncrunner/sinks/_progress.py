@@ -47,9 +47,11 @@ class ProgressBar(Sink):
 
     def _open(self, nb_episode: int) -> None:
         pbar = self.pbar
+        if sys.stderr is None and (pbar is True or _draws_on_stderr(pbar)):
+            # pythonw, `2>&-`, a daemon: nowhere to draw (tqdm would fail, and leave its lock
+            # held: the next bar, and the process at its exit, would wait for it for ever)
+            return
         if pbar is True:
-            if sys.stderr is None:  # pythonw, `2>&-`, a daemon: nowhere to draw (tqdm would
-                return  # fail, and leave its lock held: the process then hangs at its exit)
             from tqdm.auto import tqdm
 
             self._episodes = tqdm(total=nb_episode, desc="episode", unit="ep", position=0)
@@ -126,3 +128,9 @@ class ProgressBar(Sink):
 
     async def aclose(self) -> None:
         self._close()
+
+
+def _draws_on_stderr(pbar: Any) -> bool:
+    """A tqdm class (``tqdm``, ``tqdm.auto.tqdm``): it draws on ``sys.stderr``."""
+    tqdm = sys.modules.get("tqdm.std")
+    return tqdm is not None and isinstance(pbar, type) and issubclass(pbar, tqdm.tqdm)
