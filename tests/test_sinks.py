@@ -265,9 +265,9 @@ async def test_pbar_instance_is_the_episode_bar(runner: AsyncRunner) -> None:
 
 
 _NO_STDERR = """
-import sys, warnings
+import os, sys, warnings
 warnings.simplefilter("ignore")
-sys.stderr = None  # pythonw, `python script.py 2>&-`, a daemon that closed its fd 2
+STDERR
 from grid2op.Agent import DoNothingAgent
 from tqdm import tqdm
 from asyncrunner import compat
@@ -281,11 +281,19 @@ for nb_process, pbar in ((1, True), (2, True), (2, tqdm)):
 """
 
 
-def test_pbar_true_without_a_stderr_plays_without_a_bar() -> None:
+@pytest.mark.parametrize(
+    "stderr",
+    [
+        "sys.stderr = None  # pythonw, `python script.py 2>&-`, a daemon that closed its fd 2",
+        "sys.stderr = open(os.devnull, 'w'); sys.stderr.close()  # closed by a library",
+    ],
+)
+def test_pbar_true_without_a_stderr_plays_without_a_bar(stderr: str) -> None:
     # tqdm failed on the ``None`` stream (the run with it) and left its lock held by the thread
     # that drew the bar: the next bar waited forever, and so did the process at its exit (found
-    # by the runtime hunt; grid2op's Runner with nb_process=2 plays, drawing no bar).
-    done = run_code(_NO_STDERR)
+    # by the runtime hunt; grid2op's Runner with nb_process=2 plays, drawing no bar). A closed
+    # stream (or a pipe whose reader left) failed the run: a bar's drawing never does now.
+    done = run_code(_NO_STDERR.replace("STDERR", stderr))
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["[3,", "3]"] * 3
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from typing import Any
 
@@ -54,11 +55,13 @@ class ProgressBar(Sink):
         if pbar is True:
             from tqdm.auto import tqdm
 
-            self._episodes = tqdm(total=nb_episode, desc="episode", unit="ep", position=0)
-            self._steps = tqdm(total=0, desc="step", unit="step", position=1)
+            drawn = _on_stderr(tqdm)
+            self._episodes = tqdm(total=nb_episode, desc="episode", unit="ep", position=0, **drawn)
+            self._steps = tqdm(total=0, desc="step", unit="step", position=1, **drawn)
         elif isinstance(pbar, type):
-            self._episodes = pbar(total=nb_episode, desc="episode")
-            self._steps = pbar(total=0, desc="step")
+            drawn = _on_stderr(pbar) if _draws_on_stderr(pbar) else {}
+            self._episodes = pbar(total=nb_episode, desc="episode", **drawn)
+            self._steps = pbar(total=0, desc="step", **drawn)
         else:
             self._episodes = pbar
 
@@ -134,3 +137,32 @@ def _draws_on_stderr(pbar: Any) -> bool:
     """A tqdm class (``tqdm``, ``tqdm.auto.tqdm``): it draws on ``sys.stderr``."""
     tqdm = sys.modules.get("tqdm.std")
     return tqdm is not None and isinstance(pbar, type) and issubclass(pbar, tqdm.tqdm)
+
+
+def _on_stderr(tqdm: type) -> dict[str, Any]:
+    """``tqdm``'s ``file=`` for a bar drawn on ``sys.stderr`` (none for a notebook's widgets,
+    which tqdm draws only where it gets no other file)."""
+    return {} if tqdm.__module__.startswith("tqdm.notebook") else {"file": _Drawn(sys.stderr)}
+
+
+class _Drawn:
+    """``stream`` as tqdm draws on it, where a write or flush never raises: a stream closed (by
+    a daemon, a library), or a pipe whose reader left, stops the drawing and not the run. tqdm
+    lets such errors through (and leaves its lock held: the next bar, and the process at its
+    exit, would wait for it for ever)."""
+
+    def __init__(self, stream: Any) -> None:
+        self._stream = stream
+
+    def __getattr__(self, name: str) -> Any:  # encoding, fileno, isatty: tqdm's checks
+        return getattr(self._stream, name)
+
+    def write(self, text: str) -> int:
+        try:
+            return int(self._stream.write(text))
+        except (OSError, ValueError):
+            return 0
+
+    def flush(self) -> None:
+        with contextlib.suppress(OSError, ValueError):
+            self._stream.flush()
