@@ -11,7 +11,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import tarfile
 import tempfile
 import textwrap
 import threading
@@ -33,7 +32,7 @@ from grid2op.Runner import Runner as GridRunner
 
 from asyncrunner import AsyncRunner, EpisodeError, EpisodeStarted, Event, SinkError
 from asyncrunner._plan import _layout
-from asyncrunner._plan._layout import BROKEN_PREFIX, RECORD_FILE, sync
+from asyncrunner._plan._layout import BROKEN_FOLDER, RECORD_FILE, sync
 from asyncrunner.compat import Runner as CompatRunner
 from asyncrunner.sinks import CallbackSink, CompactEpisodeWriter, EpisodeDataWriter, _writer
 from asyncrunner.sinks._writer import TMP_PREFIX
@@ -91,7 +90,6 @@ async def test_resume_replays_damaged_episodes(runner: AsyncRunner, tmp_path: Pa
     data = bytearray(flipped.read_bytes())
     data[len(data) // 2] ^= 0xFF  # same size, other bytes
     flipped.write_bytes(bytes(data))
-    damaged = truncated.read_bytes(), flipped.read_bytes()
 
     started = Started()
     with pytest.warns(UserWarning, match="is damaged") as caught, anyio.fail_after(TIMEOUT):
@@ -102,22 +100,15 @@ async def test_resume_replays_damaged_episodes(runner: AsyncRunner, tmp_path: Pa
     assert [r.as_tuple() for r in resumed] == [r.as_tuple() for r in first]
     messages = " ".join(str(w.message) for w in caught)
     assert "rewards.npz has" in messages and "observations.npz differs" in messages
-    # The damaged folders were kept as archives (files: grid2viz takes every folder of an
-    # agent's folder for an episode, and failed on a hidden one of damaged episodes, found by
-    # the consumers hunt); the new ones took their names, and every listed episode loads.
-    names = sorted(Path(r.path or "").name for r in first)
+    # The damaged folders were moved aside, where grid2op does not list them; the new ones
+    # took their names, and every listed episode loads.
+    aside = sorted(p.name for p in (tmp_path / BROKEN_FOLDER).iterdir())
+    assert aside == sorted(Path(r.path or "").name for r in first)
     assert [r.path for r in resumed] == [r.path for r in first]
     listed = EpisodeData.list_episode(str(tmp_path))
-    assert sorted(name for _, name in listed) == names
-    assert sorted(e.name for e in os.scandir(tmp_path) if e.is_dir()) == names
+    assert sorted(name for _, name in listed) == aside
     for path, name in listed:
         EpisodeData.from_disk(path, name)
-    for name in names:  # each archive gives the damaged folder back
-        with tarfile.open(tmp_path / f"{BROKEN_PREFIX}{name}.tar") as archive:
-            archive.extractall(tmp_path / "aside", filter="data")
-    aside = tmp_path / "aside"
-    assert (aside / truncated.parent.name / "rewards.npz").read_bytes() == damaged[0]
-    assert (aside / flipped.parent.name / "observations.npz").read_bytes() == damaged[1]
     # Intact now: a third run plays nothing.
     again = Started()
     with anyio.fail_after(TIMEOUT):

@@ -7,15 +7,12 @@ the results read back from a folder.
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import errno
 import hashlib
 import json
 import os
-import shutil
 import sys
-import tarfile
 import threading
 import warnings
 from collections.abc import Mapping, Sequence
@@ -57,8 +54,8 @@ EPISODE_FILES = (
 # so that ``resume`` recognises the episode and replays it when a file is damaged.
 RECORD_FILE = "asyncrunner.json"
 RECORD_FORMAT = 2
-# What ``resume`` keeps a damaged episode folder as: ``<BROKEN_PREFIX><name>.tar`` (a file).
-BROKEN_PREFIX = ".asyncrunner-broken-"
+# Where ``resume`` moves a damaged episode folder (one level down: grid2op does not list it).
+BROKEN_FOLDER = ".asyncrunner-broken"
 # rename() errors meaning "that name is taken": try the next one.
 NAME_TAKEN = {errno.EEXIST, errno.ENOTEMPTY, errno.ENOTDIR, errno.EISDIR}
 
@@ -264,43 +261,25 @@ def damage(folder: str, record: Mapping[str, Any]) -> str | None:
     return None
 
 
-def _move_aside(path: str, folder: str) -> str | None:
-    """Keep a damaged episode folder as the file ``path/.asyncrunner-broken-<name>.tar``
-    (uncompressed: ``tar xf`` gives the folder back), and remove the folder. Not as a folder in
-    ``path``: grid2viz takes every folder of an agent's folder, hidden or not, for an episode,
-    and failed to open one without its ``episode_meta.json``. Returns where, or None when
-    another run took the folder first (resuming the same ``path``)."""
+def _move_aside(path: str, folder: str) -> str:
+    """Move a damaged episode folder into ``path/.asyncrunner-broken/``; returns where."""
+    broken = os.path.join(path, BROKEN_FOLDER)
+    os.makedirs(broken, exist_ok=True)
     name = os.path.basename(folder)
     k = 0
     while True:
-        target = os.path.join(path, f"{BROKEN_PREFIX}{name if k == 0 else f'{name}_{k}'}.tar")
+        target = os.path.join(broken, name if k == 0 else f"{name}_{k}")
         k += 1
-        try:
-            fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        except FileExistsError:
+        if os.path.lexists(target):
             continue
-        break
-    claimed = target + ".folder"  # this run's alone (hidden): a crash from here leaves it
-    try:
-        with os.fdopen(fd, "wb") as f:
-            try:
-                os.rename(folder, claimed)
-            except FileNotFoundError:
-                os.unlink(target)
-                return None
-            with tarfile.open(fileobj=f, mode="w") as tar:
-                tar.add(claimed, arcname=name)
-            f.flush()
-            os.fsync(f.fileno())
-    except BaseException:
-        if os.path.isdir(claimed):
-            os.rename(claimed, folder)  # as it was
-        with contextlib.suppress(OSError):
-            os.unlink(target)
-        raise
-    sync([path])
-    shutil.rmtree(claimed)
-    return target
+        try:
+            os.rename(folder, target)
+        except OSError as exc:
+            if exc.errno in NAME_TAKEN:
+                continue
+            raise
+        sync([broken, path])
+        return target
 
 
 def resume_plan(
@@ -317,7 +296,7 @@ def resume_plan(
     ``max_iter`` (``init_states`` / ``reset_options`` are not compared), and each of its files
     is as written (size and sha256 in its record). Each
     folder stands for one request at most (a chronic requested twice needs two folders). A
-    matching folder whose files are damaged is kept as ``path/.asyncrunner-broken-<name>.tar`` (with a
+    matching folder whose files are damaged is moved into ``path/.asyncrunner-broken/`` (with a
     warning) and its episode plays again. Reads every matching file: call it off the event loop.
     """
     path = os.path.abspath(os.fspath(path))
@@ -378,11 +357,10 @@ def _intact(
         if not os.path.isdir(folder):
             continue  # moved by another run resuming the same folder
         aside = _move_aside(path, folder)
-        if aside is None:
-            continue  # moved by another run resuming the same folder
         warnings.warn(
-            f"resume: the saved episode {folder} is damaged ({problem}); it was kept as "
-            f"{aside} (tar xf gives it back) and the episode plays again",
+            f"resume: the saved episode {folder} is damaged ({problem}); it was moved to "
+            f"{aside} and the episode plays again (move that folder out before opening "
+            f"{path} in grid2viz, which takes every folder there for an episode)",
             stacklevel=2,
         )
     return None
