@@ -69,12 +69,14 @@ def usable_cpus() -> int:
     return cpus if quota is None else max(1, min(cpus, math.ceil(quota)))
 
 
-def _cpu_quota() -> float | None:
+def _cpu_quota(root: str = "/") -> float | None:
     """How many CPUs' worth of time this process's cgroups allow it: the smallest quota from
     its cgroup up to the hierarchy's root (cgroup v2's ``cpu.max``, v1's ``cpu.cfs_quota_us``);
-    None without one (or off Linux). In a container, the hierarchy's root is its own cgroup."""
+    None without one (or off Linux). In a container, the hierarchy's root is its own cgroup.
+    ``root``: where ``/proc`` and ``/sys`` are (another for the tests' file trees)."""
+    cgroups = os.path.join(root, "sys/fs/cgroup")
     try:
-        with open("/proc/self/cgroup") as f:
+        with open(os.path.join(root, "proc/self/cgroup")) as f:
             lines = f.read().splitlines()
     except OSError:
         return None
@@ -85,20 +87,21 @@ def _cpu_quota() -> float | None:
             continue
         _, controllers, path = parts
         if controllers == "":
-            roots, read = ["/sys/fs/cgroup"], _cpu_max
+            tops, read = [cgroups], _cpu_max
         elif "cpu" in controllers.split(","):
-            roots, read = [f"/sys/fs/cgroup/{controllers}", "/sys/fs/cgroup/cpu"], _cfs_quota
+            tops = [os.path.join(cgroups, controllers), os.path.join(cgroups, "cpu")]
+            read = _cfs_quota
         else:
             continue
-        root = next((r for r in roots if os.path.isdir(r)), None)
-        if root is None:
+        top = next((t for t in tops if os.path.isdir(t)), None)
+        if top is None:
             continue
-        folder = os.path.normpath(os.path.join(root, path.lstrip("/")))
+        folder = os.path.normpath(os.path.join(top, path.lstrip("/")))
         while True:  # a folder the process's view lacks (a container's) is skipped
             quota = read(folder)
             if quota is not None:
                 quotas.append(quota)
-            if folder == root or not folder.startswith(root):
+            if folder == top or not folder.startswith(top):
                 break
             folder = os.path.dirname(folder)
     return min(quotas, default=None)

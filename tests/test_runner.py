@@ -550,6 +550,55 @@ def test_a_cgroup_cpu_quota_caps_the_default_workers() -> None:
                     time.sleep(0.1)
 
 
+@pytest.mark.parametrize(
+    ("files", "cgroup", "expected"),
+    [
+        pytest.param(  # systemd's CPUQuota=50% on a slice, the service below it unlimited
+            {"app.slice/cpu.max": "50000 100000", "app.slice/run.service/cpu.max": "max 100000"},
+            "0::/app.slice/run.service\n",
+            0.5,
+            id="v2 slice",
+        ),
+        pytest.param(
+            {"cpu.max": "150000 100000"}, "0::/\n", 1.5, id="v2 container, docker --cpus=1.5"
+        ),
+        pytest.param({"x/cpu.max": "max 100000"}, "0::/x\n", None, id="v2 no quota"),
+        pytest.param(  # a container without a cgroup namespace: the host's path, not mounted
+            {
+                "cpu,cpuacct/cpu.cfs_quota_us": "100000",
+                "cpu,cpuacct/cpu.cfs_period_us": "100000",
+            },
+            "12:memory:/docker/abc\n3:cpu,cpuacct:/docker/abc\n",
+            1.0,
+            id="v1 docker",
+        ),
+        pytest.param(
+            {
+                "cpu,cpuacct/cpu.cfs_quota_us": "-1",
+                "cpu,cpuacct/cpu.cfs_period_us": "100000",
+                "unified/cgroup.procs": "",
+            },
+            "3:cpu,cpuacct:/\n0::/\n",
+            None,
+            id="hybrid, no quota",
+        ),
+    ],
+)
+def test_cpu_quotas_read_from_cgroup_files(
+    files: dict[str, str], cgroup: str, expected: float | None, tmp_path: Path
+) -> None:
+    # The layouts of other machines (cgroup v2, containers) as file trees with their files'
+    # formats; this machine's own kind (cgroup v1) is played for real above.
+    from asyncrunner._runner import _cpu_quota
+
+    for name, text in files.items():
+        (tmp_path / "sys/fs/cgroup" / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "sys/fs/cgroup" / name).write_text(text)
+    (tmp_path / "proc/self").mkdir(parents=True)
+    (tmp_path / "proc/self/cgroup").write_text(cgroup)
+    assert _cpu_quota(str(tmp_path)) == expected
+
+
 async def test_an_open_runner_saves_after_its_env_was_closed(tmp_path: Any) -> None:
     # An example notebook's last cell closes the env; a saving cell run again after it failed
     # with "'NoneType' object has no attribute 'cls_to_dict'" (the env's spaces, read then).
