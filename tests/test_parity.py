@@ -21,7 +21,7 @@ from typing import Any
 import grid2op
 import numpy as np
 import pytest
-from grid2op.Agent import DoNothingAgent, RandomAgent
+from grid2op.Agent import BaseAgent, DoNothingAgent, RandomAgent
 from grid2op.Chronics import FromHandlers, FromNPY, MultifolderWithCache
 from grid2op.Chronics.handlers import CSVHandler, JSONMaintenanceHandler, NoisyForecastHandler
 from grid2op.Reward import BaseReward, EpisodeDurationReward, FlatReward
@@ -136,6 +136,39 @@ async def test_actions_are_read_as_grid2op_reads_them_when_it_records(tmp_path: 
     assert saved[1].path is not None
     assert _same_folder(Path(saved[1].path), tmp_path / "grid2op" / "0000") == []
     env.close()
+
+
+class _Preprocessing(BaseAgent):  # type: ignore[misc]  # grid2op is untyped
+    """Changes its observation in place (a network's preprocessing), then reads ``to_vect``,
+    and redispatches when that vector's flows are not zero."""
+
+    def reset(self, obs: Any) -> None:
+        obs.rho[:] = 0.0  # before grid2op's Runner reads the first observation
+
+    def act(self, observation: Any, reward: float, done: bool = False) -> Any:
+        observation.rho[:] = 0.0
+        vector = observation.to_vect()
+        names = type(observation).attr_list_vect
+        start = sum(np.asarray(getattr(observation, n)).size for n in names[: names.index("rho")])
+        if np.any(vector[start : start + observation.n_line] != 0):
+            return self.action_space({"redispatch": [(0, 1.0)]})
+        return self.action_space()
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_observations_are_read_as_grid2op_reads_them_when_it_records(
+    env: Any, tmp_path: Path
+) -> None:
+    # grid2op's Runner, as it records (always with one process), reads each observation with
+    # ``to_vect``, which keeps the vector in it: the agent's own ``to_vect`` after changing it
+    # in place returns the vector kept. asyncrunner read the observations its own way, keeping
+    # nothing: other actions, other rewards, saving or not (found by the agents hunt).
+    kwargs: dict[str, Any] = dict(nb_episode=2, max_iter=10, env_seeds=[0, 1])
+    recorded = _reference(env, _Preprocessing, **kwargs)
+    async with AsyncRunner(env, agent=_Preprocessing, workers=1) as ours:
+        assert [_key(r) for r in await ours.run(**kwargs)] == recorded
+        saved = await ours.run(path_save=tmp_path, **kwargs)
+    assert [_key(r) for r in saved] == recorded
 
 
 def test_compat_reads_actions_when_grid2op_records(tmp_path: Path) -> None:

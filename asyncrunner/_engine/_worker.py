@@ -305,6 +305,10 @@ def _started(
     from grid2op.dtypes import dt_float
 
     chronics = env.chronics_handler
+    # grid2op's Runner reads the first observation with ``to_vect`` when it records (and keeps
+    # the vector in it, which the agent's own ``to_vect`` then returns: ``Batcher.add``).
+    vector = obs.to_vect() if job.record or job.detail or job.files else None
+    empty = np.empty(0, dtype=dt_float)
     return EpisodeStarted(
         run_id=job.run_id,
         index=job.index,
@@ -316,7 +320,7 @@ def _started(
         agent_seed=job.agent_seed,
         worker=os.getpid(),
         env_builds=builds(),
-        observation=obs.to_vect() if job.detail or job.files else np.empty(0, dtype=dt_float),
+        observation=vector if vector is not None and (job.detail or job.files) else empty,
         parameters=env.parameters.to_dict(),
         meta={
             "chronics_max_timestep": str(chronics.max_timestep()),
