@@ -76,17 +76,6 @@ def fill(row: np.ndarray, obj: Any) -> None:
         _fill_one_by_one(row, obj)
 
 
-def _keep_vector(obs: Any, row: np.ndarray, *, filled: bool = True) -> None:
-    """Leave in ``obs`` what grid2op's ``EpisodeData.incr_store`` leaves as it records it with
-    ``to_vect``: the vector, kept (``_vectorized``). An agent that changes its observation in
-    place, then reads ``to_vect``, reads that vector under grid2op's Runner. ``row``: the
-    observation's row (``fill``'s, equal to ``to_vect``'s), filled here unless ``filled``."""
-    if getattr(obs, "_vectorized", None) is None:
-        if not filled:
-            fill(row, obs)
-        obs._vectorized = row.copy()
-
-
 def _value(obj: Any, name: str) -> Any:
     """Attribute ``name`` of ``obj`` as ``to_vect`` reads it: an action's injections live in its
     ``_dict_inj`` and unset ones take their class's default (``BaseAction._get_array_from_attr_name``).
@@ -249,7 +238,6 @@ class Batcher:
         self.actions = np.full((n, env.action_space.n), np.nan, dtype=dt_float)
         self.env_actions = np.full((n, env._helper_action_env.n), np.nan, dtype=dt_float)
         self.observations = np.full((n, env.observation_space.n), np.nan, dtype=dt_float)
-        self.row: np.ndarray | None = None  # an observation's, when rows are not filled
         self.disc_lines = np.full((n, env.backend.n_line), np.nan, dtype=dt_bool)
         self.disc_templ = np.full(env.backend.n_line, False, dtype=dt_bool)
         self.attacks = np.zeros((n, env._opponent_action_space.n), dtype=dt_float)
@@ -289,8 +277,8 @@ class Batcher:
             self.actions[w] = action
             fill(self.env_actions[w], env._env_modification)
             fill(self.observations[w], obs)
-            if self.record:
-                _keep_vector(obs, self.observations[w])
+            if self.record and getattr(obs, "_vectorized", None) is None:
+                obs._vectorized = self.observations[w].copy()  # as below
             self.attacks[w] = 0.0 if attacked is None else attacked
             if "disc_lines" in info:
                 arr = info["disc_lines"]
@@ -301,10 +289,13 @@ class Batcher:
             for k, name in enumerate(names):
                 self.other_rewards[w, k] = _to_float(rewards.get(name, np.nan))
             self.w += 1
-        elif self.record:
-            if self.row is None:
-                self.row = np.empty(env.observation_space.n, dtype=self.observations.dtype)
-            _keep_vector(obs, self.row, filled=False)
+        elif self.record and getattr(obs, "_vectorized", None) is None:
+            # grid2op's EpisodeData.incr_store reads the observation with ``to_vect``, which
+            # keeps the vector in it (``_vectorized``): an agent that changes its observation in
+            # place, then reads ``to_vect``, reads that one. ``fill``'s floats are ``to_vect``'s.
+            vector = np.empty(self.observations.shape[1], dtype=self.observations.dtype)
+            fill(vector, obs)
+            obs._vectorized = vector
         i = self.n
         self.rewards[i] = reward
         self.done[i] = done
