@@ -349,6 +349,35 @@ async def test_thermal_limit_reset_option_does_not_leak(env: Any, grid2op_refere
     assert results[0].nb_time_step < results[1].nb_time_step  # the option did act
 
 
+async def test_time_serie_id_is_a_position_among_the_filtered_chronics_as_in_grid2op() -> None:
+    # grid2op's Runner reads reset_options' "time serie id" with int(): "0001" is the second
+    # chronic the filter keeps (0002 here), not the chronic named 0001, which was played.
+    from grid2op.Runner import Runner as GridRunner
+
+    from .conftest import make_env
+
+    filtered = make_env()
+    try:
+        filtered.chronics_handler.set_filter(lambda path: not path.endswith("0000"))
+        filtered.chronics_handler.reset()
+        kwargs: dict[str, Any] = dict(
+            nb_episode=3,
+            max_iter=5,
+            env_seeds=[1, 2, 3],
+            reset_options=[{"time serie id": "0001"}, {"time serie id": 1.0}, {"time serie id": 0}],
+        )
+        runner = quiet(GridRunner, **filtered.get_params_for_runner(), agentClass=DoNothingAgent)
+        expected = grid2ops(runner.run, nb_process=1, **kwargs)
+        async with AsyncRunner(filtered, agent=DoNothingAgent, workers=1) as ours:
+            results = await ours.run(**kwargs)
+            assert [r.name for r in results] == ["0002", "0002", "0001"]
+            assert [r.as_tuple() for r in results] == [tuple(e[:5]) for e in expected]
+            with pytest.raises(ValueError, match=r"read with int\(\).*got 'x'"):
+                await ours.run(1, reset_options={"time serie id": "x"})
+    finally:
+        filtered.close()
+
+
 async def test_alarm_reward_state_does_not_leak(wheel_env: Any, grid2op_reference: Any) -> None:
     env = wheel_env("l2rpn_icaps_2021", reward_class=AlarmReward)
     kwargs: dict[str, Any] = dict(

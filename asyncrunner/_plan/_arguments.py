@@ -202,7 +202,7 @@ def plan_episodes(
             # grid2op plays chronic i (wrapping around); "time serie id" in reset_options wins.
             ep_id = i % len(names) if names else i
             if opts is not None and "time serie id" in opts:
-                ep_id = opts.pop("time serie id")
+                ep_id = _time_serie_id(opts.pop("time serie id"))
         ep_id = _check_id(ep_id, names)
         requests.append(
             EpisodeRequest(
@@ -216,6 +216,18 @@ def plan_episodes(
             )
         )
     return requests
+
+
+def _time_serie_id(value: Any) -> int:
+    """grid2op's Runner reads ``"time serie id"`` with ``int(...)``: a chronic's position among
+    those the env plays (its filter's), never a name ("0001" is the second chronic)."""
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        raise ValueError(
+            f'`reset_options` "time serie id" is a chronic\'s position, read with int() as '
+            f"grid2op's Runner does, got {value!r} (give a chronic's name in `episode_id`)"
+        ) from None
 
 
 def _check_id(ep_id: Any, names: list[str] | None) -> int | str:
