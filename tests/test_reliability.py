@@ -28,11 +28,13 @@ from asyncrunner import (
     EpisodeFailed,
     EpisodeFinished,
     EpisodeStarted,
+    Event,
+    SinkError,
     StepBatch,
 )
 from asyncrunner._engine import _envs
 from asyncrunner._engine._envs import release
-from asyncrunner.sinks import CallbackSink
+from asyncrunner.sinks import CallbackSink, Sink
 
 from .helpers import (
     BOTH_LOOPS,
@@ -753,3 +755,38 @@ def test_a_forked_worker_imports_nothing_while_it_plays_and_saves(tmp_path: Any)
     first, second = (set(json.loads(line)) for line in out.read_text().splitlines())
     assert (tmp_path / "saved").is_dir()
     assert sorted(second - first) == []
+
+
+class CancelledOnItsOwn(Sink):
+    """Raises a cancellation no scope asked for on its first step batch: it awaited a future
+    someone else cancelled (a client shut down), or cancelled its own task."""
+
+    def __init__(self, how: str) -> None:
+        self.how = how
+
+    def __repr__(self) -> str:
+        return "<CancelledOnItsOwn>"
+
+    async def send(self, event: Event) -> None:
+        if isinstance(event, StepBatch):
+            if self.how == "future":
+                future = asyncio.get_running_loop().create_future()
+                future.cancel()
+                await future
+            task = asyncio.current_task()
+            assert task is not None
+            task.cancel()
+            await asyncio.sleep(0)
+
+
+@pytest.mark.parametrize("how", ["future", "task"])
+async def test_a_sinks_own_cancellation_is_its_failure_not_the_runs_end(
+    env: Any, tmp_path: Any, how: str
+) -> None:
+    # It ended the sink's task as cancelled, which ended the run's task group without an
+    # error: run() returned 1 result of 4, as if the run were over.
+    async with AsyncRunner(env, agent=DoNothingAgent, workers=2) as runner:
+        sinks = [CancelledOnItsOwn(how)]
+        with anyio.fail_after(120), pytest.raises(SinkError, match="StepBatch: Cancelled"):
+            await runner.run(4, max_iter=20, path_save=tmp_path, sinks=sinks)
+        assert len(await runner.run(2, max_iter=3)) == 2  # the runner goes on

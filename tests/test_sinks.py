@@ -510,6 +510,38 @@ async def test_a_sink_failing_to_close_fails_the_run_with_sink_error_and_results
         assert "failed closing: OSError: boom in aclose" in "".join(info.value.__notes__)
 
 
+class NeverCloses(Sink):
+    """Its ``aclose`` never returns (a flush to a server that is down)."""
+
+    def __repr__(self) -> str:
+        return "<NeverCloses>"
+
+    async def send(self, event: Event) -> None:
+        pass
+
+    async def aclose(self) -> None:
+        await anyio.sleep_forever()
+
+
+@pytest.mark.timeout(90)  # (the runs below hung for ever)
+async def test_a_sink_that_never_closes_holds_a_stopped_run_only_its_grace(
+    env: Any, monkeypatch: pytest.MonkeyPatch, anyio_backend: str
+) -> None:
+    # Its close was shielded without a deadline: the caller's timeout, or another sink's
+    # failure, waited for ever.
+    monkeypatch.setattr(_dispatch, "SINK_DRAIN_GRACE", 0.5)
+    async with AsyncRunner(env, agent=DoNothingAgent, workers=2) as runner:
+        await runner.run(1, max_iter=2)  # workers up: the runs end well within 3 s
+        with pytest.raises(TimeoutError) as timed_out, anyio.fail_after(3):
+            await runner.run(2, max_iter=3, sinks=[NeverCloses()])
+        with pytest.raises(SinkError, match="first end"):
+            await runner.run(2, max_iter=3, sinks=[FailsOnFirstEnd(), NeverCloses()])
+    if anyio_backend == "asyncio":  # (trio raises its Cancelled anew in each scope it leaves)
+        cancelled = timed_out.value.__context__
+        notes = "".join(getattr(cancelled, "__notes__", []))
+        assert "NeverCloses> failed closing: TimeoutError: still closing 0.5 s after" in notes
+
+
 class FailingAgent(BaseAgent):  # type: ignore[misc]  # grid2op is untyped
     """Raises on its second action."""
 

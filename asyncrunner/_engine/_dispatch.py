@@ -10,6 +10,7 @@ Episodes are handed out one at a time: a dispatcher that finishes takes the next
 
 from __future__ import annotations
 
+import math
 import secrets
 import threading
 from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
@@ -46,8 +47,9 @@ __all__ = ["Run", "RunSettings"]
 
 # Events a sink may have waiting before the run waits for it (backpressure).
 SINK_BUFFER = 32
-# Seconds the other sinks get to finish their events once one failed (a sink stuck in its
-# ``send`` would otherwise hold the failure back for ever).
+# Seconds the sinks get to finish their events and close once the run stopped (a sink failed,
+# the caller cancelled): a sink stuck in its ``send`` or ``aclose`` would otherwise hold the
+# failure or the cancellation back for ever.
 SINK_DRAIN_GRACE = 30.0
 
 
@@ -130,11 +132,13 @@ class Run:
         # events they were given (a writer saves the episodes it got), then close.
         sink_errors: list[SinkError] = []
         playing = anyio.CancelScope()
+        closes = _Closes(len(self.sinks))
 
         def stop_for_sink() -> None:
             playing.cancel()
             scope = sink_group.cancel_scope
             scope.deadline = min(scope.deadline, anyio.current_time() + SINK_DRAIN_GRACE)
+            closes.hurry()
 
         async with (
             open_channel(listen=self.pool.listen) as channel,
@@ -149,7 +153,7 @@ class Run:
                             send, receive = anyio.create_memory_object_stream[Event](SINK_BUFFER)
                             sink_sends.append(send)
                             sink_group.start_soon(
-                                _consume, sink, receive, sink_errors, stop_for_sink
+                                _consume, sink, receive, sink_errors, stop_for_sink, closes
                             )
                         targets = [
                             (send, sink.episode_format is not None)
@@ -158,14 +162,17 @@ class Run:
                         if out is not None:
                             targets.append((out, False))
                         emit = _fan_out(targets)
-                        with playing:
-                            self._stages = await self._make_stages()
-                            agent, spaces = self.settings.agent, self.settings.spaces
-                            await emit(RunStarted(self.run_id, len(self.requests), spaces, agent))
-                            await self._dispatch_and_collect(channel, emit)
-                            await emit(RunFinished(self.run_id, tuple(self._ordered())))
-                        for send in sink_sends:
-                            await send.aclose()
+                        with closes:
+                            with playing:
+                                self._stages = await self._make_stages()
+                                agent, spaces = self.settings.agent, self.settings.spaces
+                                started = RunStarted(self.run_id, len(self.requests), spaces, agent)
+                                await emit(started)
+                                await self._dispatch_and_collect(channel, emit)
+                                await emit(RunFinished(self.run_id, tuple(self._ordered())))
+                            for send in sink_sends:
+                                await send.aclose()
+                            await closes.all_done.wait()
                 except anyio.get_cancelled_exc_class():
                     # Cancelled (a timeout, a stream left) while the other sinks drained: the
                     # sink's failure came first, and is what the caller needs to know.
@@ -523,11 +530,70 @@ def _fan_out(
     return emit
 
 
+class _Closes:
+    """The sinks' closes: shielded from a cancellation (a writer still places the episodes it
+    was given), for ``SINK_DRAIN_GRACE`` seconds once the run stops (``hurry``: a sink failed,
+    or, leaving ``with``, the caller cancelled): a sink that never closes must not keep the
+    caller for ever. ``all_done`` is set once every sink's close is over; ``stopped_by``: the
+    exception (the caller's cancellation) that left ``with``."""
+
+    def __init__(self, count: int) -> None:
+        self.stopped_by: BaseException | None = None
+        self._deadline = math.inf
+        self._scopes: set[anyio.CancelScope] = set()
+        self._left = count
+        self.all_done = anyio.Event()
+        if not count:
+            self.all_done.set()
+
+    def hurry(self) -> None:
+        self._deadline = min(self._deadline, anyio.current_time() + SINK_DRAIN_GRACE)
+        for scope in self._scopes:
+            scope.deadline = self._deadline
+
+    def __enter__(self) -> None:
+        pass
+
+    def __exit__(self, kind: object, exc: BaseException | None, tb: object) -> None:
+        if exc is not None:
+            self.stopped_by = exc
+            self.hurry()
+
+    @contextmanager
+    def shielded(self) -> Iterator[anyio.CancelScope]:
+        with anyio.CancelScope(shield=True, deadline=self._deadline) as scope:
+            self._scopes.add(scope)
+            try:
+                yield scope
+            finally:
+                self._scopes.discard(scope)
+                self._left -= 1
+                if not self._left:
+                    self.all_done.set()
+
+
+def _the_sinks_own(exc: BaseException) -> bool:
+    """Whether ``exc`` is the sink's failure: an ``Exception``, or a cancellation no enclosing
+    scope asked for (the sink awaited a future someone cancelled, or cancelled its own task),
+    which would otherwise end the run early as if nothing had failed."""
+    if isinstance(exc, Exception):
+        return True
+    cancelled = isinstance(exc, anyio.get_cancelled_exc_class())
+    return cancelled and anyio.current_effective_deadline() != -math.inf
+
+
+def _sink_error(sink: Sink, what: str, exc: BaseException) -> SinkError:
+    error = SinkError(f"sink {sink!r} {what}: {type(exc).__name__}: {exc}", sink=sink)
+    error.__cause__ = exc
+    return error
+
+
 async def _consume(
     sink: Sink,
     receive: MemoryObjectReceiveStream[Event],
     errors: list[SinkError],
     stop: Callable[[], None],
+    closes: _Closes,
 ) -> None:
     """Hand ``sink`` its events, then close it. Its failure is added to ``errors`` and stops
     the run (``stop``); the events still coming are then dropped, so that the run never waits
@@ -545,29 +611,29 @@ async def _consume(
                     continue
                 try:
                     await sink.send(event)
-                except Exception as exc:
-                    failed = SinkError(
-                        f"sink {sink!r} failed on {type(event).__name__}: {type(exc).__name__}: {exc}",
-                        sink=sink,
-                    )
-                    failed.__cause__ = exc
+                except BaseException as exc:
+                    if not _the_sinks_own(exc):
+                        raise
+                    failed = _sink_error(sink, f"failed on {type(event).__name__}", exc)
                     errors.append(failed)
                     stop()
     except BaseException as exc:  # the cancellation to pass on
         first = exc
         raise
     finally:
-        with anyio.CancelScope(shield=True):
+        closing: BaseException | None = None
+        with closes.shielded() as shield:
             try:
                 await sink.aclose()
-            except Exception as exc:
-                told = first or failed
-                if told is None:
-                    closing = SinkError(
-                        f"sink {sink!r} failed closing (aclose): {type(exc).__name__}: {exc}",
-                        sink=sink,
-                    )
-                    closing.__cause__ = exc
-                    errors.append(closing)
-                else:
-                    told.add_note(f"then sink {sink!r} failed closing: {type(exc).__name__}: {exc}")
+            except BaseException as exc:
+                if not _the_sinks_own(exc):
+                    raise  # the grace is over (``shield`` takes it), or a KeyboardInterrupt
+                closing = exc
+        if shield.cancelled_caught:
+            closing = TimeoutError(f"still closing {SINK_DRAIN_GRACE:g} s after the run stopped")
+        # A close cut short by the caller's cancellation is told on it, not instead of it.
+        told = first or failed or closes.stopped_by
+        if closing is not None and told is None:
+            errors.append(_sink_error(sink, "failed closing (aclose)", closing))
+        elif closing is not None:
+            told.add_note(f"then sink {sink!r} failed closing: {type(closing).__name__}: {closing}")
