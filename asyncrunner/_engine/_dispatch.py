@@ -621,19 +621,26 @@ async def _consume(
         first = exc
         raise
     finally:
-        closing: BaseException | None = None
-        with closes.shielded() as shield:
-            try:
-                await sink.aclose()
-            except BaseException as exc:
-                if not _the_sinks_own(exc):
-                    raise  # the grace is over (``shield`` takes it), or a KeyboardInterrupt
-                closing = exc
-        if shield.cancelled_caught:
-            closing = TimeoutError(f"still closing {SINK_DRAIN_GRACE:g} s after the run stopped")
+        closing = await _close(sink, closes)
         # A close cut short by the caller's cancellation is told on it, not instead of it.
         told = first or failed or closes.stopped_by
-        if closing is not None and told is None:
-            errors.append(_sink_error(sink, "failed closing (aclose)", closing))
-        elif closing is not None:
-            told.add_note(f"then sink {sink!r} failed closing: {type(closing).__name__}: {closing}")
+        if closing is not None:
+            if told is None:
+                errors.append(_sink_error(sink, "failed closing (aclose)", closing))
+            else:
+                note = f"then sink {sink!r} failed closing: {type(closing).__name__}: {closing}"
+                told.add_note(note)
+
+
+async def _close(sink: Sink, closes: _Closes) -> BaseException | None:
+    """``sink.aclose()`` (``closes.shielded``); what it raised of its own, if anything."""
+    with closes.shielded() as shield:
+        try:
+            await sink.aclose()
+        except BaseException as exc:
+            if not _the_sinks_own(exc):
+                raise  # the grace is over (``shield`` takes it), or a KeyboardInterrupt
+            return exc
+    if shield.cancelled_caught:
+        return TimeoutError(f"still closing {SINK_DRAIN_GRACE:g} s after the run stopped")
+    return None
