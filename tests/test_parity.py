@@ -424,6 +424,21 @@ async def test_a_backend_that_cannot_be_copied_is_rebuilt_for_each_episode() -> 
     env.close()
 
 
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_chronics_read_in_chunks_are_rebuilt_not_copied() -> None:
+    # grid2op's env.copy() deep-copies the chronics' open chunk readers, which cannot be: every
+    # episode failed ("cannot pickle '_io.TextIOWrapper' object"), with copy_env=True too.
+    env = make_env(data_feeding_kwargs={"chunk_size": 5})
+    kwargs: dict[str, Any] = dict(
+        nb_episode=3, env_seeds=[1, 2, 3], agent_seeds=[4, 5, 6], episode_id=[0, 1, 0], max_iter=12
+    )
+    expected = _reference(env, RandomAgent, **kwargs)
+    for copy_env in (False, True):
+        async with AsyncRunner(env, agent=RandomAgent, workers=1, copy_env=copy_env) as runner:
+            assert [_key(r) for r in await runner.run(**kwargs)] == expected
+    env.close()
+
+
 # --- slow tier: every wheel env, long episodes, three runs on one runner ------------------------
 
 # Envs shipped in grid2op's wheel (grid2op.list_available_test_env()) that grid2op's Runner

@@ -209,8 +209,15 @@ def _grid2ops(part: Any) -> bool:
 def copies_faithfully(pristine: Any) -> bool:
     """Whether a copy of ``pristine`` plays as a new env: its backends can be copied and are
     grid2op's or LightSim's classes (a backend's ``copy`` keeps a fixed list of attributes, not a
-    subclass's), and its rules and attention budget are grid2op's (the copy deep-copies them,
-    with the env one kept from ``initialize``). Otherwise each episode plays a new build."""
+    subclass's), its rules and attention budget are grid2op's (the copy deep-copies them,
+    with the env one kept from ``initialize``), and its chronics do not read their files in
+    chunks (``data_feeding_kwargs={"chunk_size": ...}``, a handler's ``chunk_size``: the copy
+    deep-copies the open readers, which cannot be). Otherwise each episode plays a new build."""
+    real = getattr(pristine.chronics_handler, "real_data", None)
+    data = getattr(real, "data", None)
+    readers = [real, data, *getattr(data, "__dict__", {}).values()]
+    if any(getattr(part, "chunk_size", None) is not None for part in readers):
+        return False
     forecasts = getattr(pristine._observation_space, "obs_env", None)
     for backend in (pristine.backend, getattr(forecasts, "backend", None)):
         if backend is None:
