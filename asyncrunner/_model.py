@@ -51,14 +51,17 @@ class EpisodeRequest:
 class RunStarted:
     """A run begins: how many episodes, and the env's spaces (grid2op's ``dict_*_space.json``).
 
-    ``agent`` names the agent that plays (its class or factory, see ``AsyncRunner``): the episode
-    writers record it, and ``resume`` matches on it.
+    ``spaces`` holds the files' dicts (this run's own: a sink changing them changes no other
+    run), ``space_files`` the files themselves, as the episode writers write them. ``agent``
+    names the agent that plays (its class or factory, see ``AsyncRunner``): the episode writers
+    record it, and ``resume`` matches on it.
     """
 
     run_id: str
     nb_episode: int
     spaces: Mapping[str, Any] = field(repr=False)
     agent: str | None = None
+    space_files: Mapping[str, bytes] = field(default_factory=dict, repr=False)
 
 
 @dataclass(frozen=True)

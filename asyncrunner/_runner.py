@@ -6,6 +6,7 @@ import asyncio
 import concurrent.futures
 import contextvars
 import inspect
+import json
 import math
 import numbers
 import os
@@ -39,6 +40,7 @@ from ._pools._fork import ForkPool, available, forked
 from ._pools._process import ProcessPool
 from .sinks._base import Sink
 from .sinks._mix import OnlyMix
+from .sinks._writer import json_bytes
 
 __all__ = ["AsyncRunner", "RunOptions"]
 
@@ -263,14 +265,14 @@ class AsyncRunner(AsyncResource):
         # What the workers build each mix's env from, as its recipe keys it (``resume`` matches it).
         self._env_keys = {mix: env_key(source) for mix, source in sources.items()}
         # The env's spaces, kept: ``env.close()`` sets the env's to None, and a saving run reads
-        # them (their dicts, encoded once: ``_spaces``).
+        # them (their files, encoded once: ``_spaces``).
         self._space_objects = {
             "dict_action_space.json": env.action_space,
             "dict_observation_space.json": env.observation_space,
             "dict_env_modification_space.json": env._helper_action_env,
             "dict_attack_space.json": env._opponent_action_space,
         }
-        self._space_dicts: dict[str, Any] | None = None
+        self._space_files: dict[str, bytes] | None = None
         self._pool: WorkerPool | None = None
         self._closed = False
         # The runs playing, each in a scope that closing the runner cancels, and an event set
@@ -505,15 +507,23 @@ class AsyncRunner(AsyncResource):
             "saved (path_save; run again with resume=True in a new runner to play the rest)"
         )
 
-    async def _spaces(self) -> dict[str, Any]:
-        if self._space_dicts is None:
+    async def _spaces(self) -> tuple[dict[str, Any], dict[str, bytes]]:
+        """A saving run's spaces: dicts of its own (``RunStarted.spaces``: a sink changing
+        them changed the files of every later run), and the files, encoded once (10 ms for a
+        large grid's four)."""
+        if self._space_files is None:
             spaces = self._space_objects
 
-            def build() -> dict[str, Any]:
-                return {name: space.cls_to_dict() for name, space in spaces.items()}
+            def build() -> dict[str, bytes]:
+                return {name: json_bytes(space.cls_to_dict()) for name, space in spaces.items()}
 
-            self._space_dicts = await anyio.to_thread.run_sync(build)
-        return self._space_dicts
+            self._space_files = await anyio.to_thread.run_sync(build)
+        files = self._space_files
+
+        def read() -> dict[str, Any]:
+            return {name: json.loads(data) for name, data in files.items()}
+
+        return await anyio.to_thread.run_sync(read), files
 
     # --- runs ----------------------------------------------------------------------------------
 
@@ -583,6 +593,7 @@ class AsyncRunner(AsyncResource):
             all_sinks.append(ProgressBar(pbar))
         detail = streaming or any(s.needs_steps for s in all_sinks)
         files = tuple(sorted({s.episode_format for s in all_sinks if s.episode_format}))
+        spaces, space_files = await self._spaces() if detail or files else ({}, {})
         settings = RunSettings(
             sinks=all_sinks,
             on_error=on_error,
@@ -593,7 +604,8 @@ class AsyncRunner(AsyncResource):
             agent=self._agent_name,
             central=self._central,
             env_for=self._env_for,
-            spaces=await self._spaces() if detail or files else {},
+            spaces=spaces,
+            space_files=space_files,
             files=files,
             record=self._record_steps,
             exceptions=self._send_exceptions,

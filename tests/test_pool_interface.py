@@ -122,6 +122,7 @@ def _run(pool: WorkerPool, nb: int, events: list[Any], **settings: Any) -> Run:
         central=None,
         env_for=lambda mix: None,
         spaces={},
+        space_files={},
     )
     options.update(settings)
     return Run(pool, requests, RunSettings(**options))

@@ -262,6 +262,7 @@ async def test_a_replayed_episode_keeps_its_first_result() -> None:
         central=None,
         env_for=lambda mix: None,
         spaces={},
+        space_files={},
     )
     run = Run(ForkPool(anyio.CapacityLimiter(1)), requests, settings)  # collects, never calls
     emitted: list[Any] = []

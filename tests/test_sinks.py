@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import os
 import re
@@ -663,6 +664,29 @@ async def test_events_arrays_are_read_only(runner: AsyncRunner) -> None:
     ]
     assert {name for _, name, _ in arrays} >= {"observation", "observations", "rewards", "done"}
     assert [(kind, name) for kind, name, a in arrays if a.flags.writeable] == []
+
+
+def _rename_lines(event: Event) -> None:
+    """A sink that "prettifies" the line names of the spaces it is given, in place."""
+    if isinstance(event, RunStarted):
+        names = event.spaces["dict_observation_space.json"]["name_line"]
+        names[:] = [f"line {name}" for name in names]
+
+
+async def test_a_sink_changing_the_spaces_changes_no_saved_file(
+    runner: AsyncRunner, env: Any, tmp_path: Path
+) -> None:
+    # RunStarted.spaces was the runner's own dicts, the writers' too: a sink changing them
+    # changed the dict_*_space.json of every later run.
+    rename = CallbackSink(_rename_lines)
+    with anyio.fail_after(TIMEOUT):
+        await runner.run(1, max_iter=2, sinks=[rename])
+        await runner.run(1, max_iter=2, path_save=tmp_path / "later")
+        await runner.run(1, max_iter=2, path_save=tmp_path / "same", sinks=[rename])
+    name = "dict_observation_space.json"
+    expected = json.loads(json.dumps(env.observation_space.cls_to_dict()))
+    for folder in ("later", "same"):
+        assert json.loads((tmp_path / folder / name).read_text()) == expected
 
 
 class PlainSend(Sink):

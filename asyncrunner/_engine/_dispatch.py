@@ -59,7 +59,8 @@ class RunSettings:
 
     ``recipes``: each mix's pickled env and agent recipe, ``(key, bytes)``; ``agent``: the
     agent's recorded name; ``central``: the ``CentralAgent`` serving the workers, if any;
-    ``env_for(mix)``: the parent's env of a mix; ``spaces``: ``RunStarted.spaces``; ``detail``:
+    ``env_for(mix)``: the parent's env of a mix; ``spaces``, ``space_files``: ``RunStarted``'s;
+    ``detail``:
     whether the workers send the steps' arrays; ``files``: the episode file formats they build
     (``Sink.episode_format``); ``exceptions``: whether a failure's exception comes back pickled
     (``EpisodeFailed.exception``); ``record``: whether the workers read each step's agent's action
@@ -80,6 +81,7 @@ class RunSettings:
     central: CentralAgent | None
     env_for: Callable[[str | None], Any]
     spaces: Mapping[str, Any]
+    space_files: Mapping[str, bytes]
     files: tuple[str, ...] = ()
     record: bool = True
     exceptions: bool = False
@@ -165,9 +167,16 @@ class Run:
                         with closes:
                             with playing:
                                 self._stages = await self._make_stages()
-                                agent, spaces = self.settings.agent, self.settings.spaces
-                                started = RunStarted(self.run_id, len(self.requests), spaces, agent)
-                                await emit(started)
+                                settings = self.settings
+                                await emit(
+                                    RunStarted(
+                                        self.run_id,
+                                        len(self.requests),
+                                        settings.spaces,
+                                        settings.agent,
+                                        settings.space_files,
+                                    )
+                                )
                                 await self._dispatch_and_collect(channel, emit)
                                 await emit(RunFinished(self.run_id, tuple(self._ordered())))
                             for send in sink_sends:

@@ -52,8 +52,8 @@ class CompactEpisodeWriter(Writer):
         self.folder = os.path.join(self.path, COMPACT_FOLDER)
         self._work = self.folder
 
-    def _write_spaces(self, spaces: Mapping[str, Any]) -> None:
-        self._write_json_once(self.folder, spaces, SPACE_FILES)
+    def _write_spaces(self, files: Mapping[str, bytes]) -> None:
+        self._write_json_once(self.folder, files, SPACE_FILES)
 
     def _place(self, started: EpisodeStarted, folder: str) -> str:
         meta, npz = (os.path.join(folder, name) for name in ("metadata.json", "episode.npz"))

@@ -10,7 +10,6 @@ from __future__ import annotations
 import hashlib
 import os
 from collections.abc import Mapping
-from typing import Any
 
 from .._model import EpisodeFinished, EpisodeStarted
 from .._plan._layout import (
@@ -55,8 +54,8 @@ class EpisodeDataWriter(Writer):
 
     episode_format = "episode_data"
 
-    def _write_spaces(self, spaces: Mapping[str, Any]) -> None:
-        self._write_json_once(self.path, spaces, SPACE_FILES)
+    def _write_spaces(self, files: Mapping[str, bytes]) -> None:
+        self._write_json_once(self.path, files, SPACE_FILES)
 
     def _place(self, started: EpisodeStarted, folder: str) -> str:
         target = self._move_into_place(folder, started.name)

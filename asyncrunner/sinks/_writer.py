@@ -77,8 +77,8 @@ class Writer(Sink):
     # --- to implement -----------------------------------------------------------------------
 
     @abc.abstractmethod
-    def _write_spaces(self, spaces: Mapping[str, Any]) -> None:
-        """Write the run's space files (in a thread)."""
+    def _write_spaces(self, files: Mapping[str, bytes]) -> None:
+        """Write the run's space files (``RunStarted.space_files``; in a thread)."""
 
     @abc.abstractmethod
     def _place(self, started: EpisodeStarted, folder: str) -> str:
@@ -95,7 +95,7 @@ class Writer(Sink):
         if isinstance(event, RunStarted):
             self.paths = {}
             self.agent = event.agent
-            await anyio.to_thread.run_sync(self._start, event.spaces)
+            await anyio.to_thread.run_sync(self._start, event.space_files)
         elif isinstance(event, EpisodeStarted):
             self._open[(event.run_id, event.index)] = event
         elif isinstance(event, EpisodeFinished | EpisodeFailed):
@@ -157,10 +157,10 @@ class Writer(Sink):
 
     # --- file helpers (run in a worker thread) ----------------------------------------------
 
-    def _start(self, spaces: Mapping[str, Any]) -> None:
+    def _start(self, space_files: Mapping[str, bytes]) -> None:
         self._remove_stale()
-        if spaces:
-            self._write_spaces(spaces)
+        if space_files:
+            self._write_spaces(space_files)
 
     def _write_episode(self, started: EpisodeStarted, files: Mapping[str, bytes] | Staged) -> str:
         if isinstance(files, Staged):
@@ -259,18 +259,18 @@ class Writer(Sink):
             yield candidate
 
     def _write_json_once(
-        self, folder: str, spaces: Mapping[str, Any], names: Sequence[str]
+        self, folder: str, files: Mapping[str, bytes], names: Sequence[str]
     ) -> None:
         """Write the space files missing in ``folder`` (existing ones are kept, as grid2op does):
         all flushed at once, then each renamed into place."""
         os.makedirs(folder, exist_ok=True)
-        missing = [n for n in names if n in spaces and not os.path.exists(os.path.join(folder, n))]
+        missing = [n for n in names if n in files and not os.path.exists(os.path.join(folder, n))]
         if not missing:
             return
         tmps = [self._new_tmp(folder, ".part") for _ in missing]
         try:
             for tmp, name in zip(tmps, missing, strict=True):
-                write_file(tmp, _space_json(spaces[name]))
+                write_file(tmp, files[name])
             sync(tmps)
             for tmp, name in zip(tmps, missing, strict=True):
                 target = os.path.join(folder, name)
@@ -284,21 +284,6 @@ class Writer(Sink):
 def json_bytes(obj: Any) -> bytes:
     """``obj`` as grid2op writes its json files."""
     return json.dumps(_plain(obj), indent=4, sort_keys=True).encode("utf-8")
-
-
-# A runner's space dicts are the same objects every run: each is encoded once (a large grid's
-# four take about 20 ms). By id, with the dict itself held so that its id stays its own.
-_SPACE_JSON: dict[int, tuple[Any, bytes]] = {}
-_SPACE_JSON_MAX = 32
-
-
-def _space_json(space: Any) -> bytes:
-    hit = _SPACE_JSON.get(id(space))
-    if hit is None or hit[0] is not space:
-        if len(_SPACE_JSON) >= _SPACE_JSON_MAX:
-            _SPACE_JSON.clear()
-        hit = _SPACE_JSON[id(space)] = (space, json_bytes(space))
-    return hit[1]
 
 
 def write_file(path: str, data: bytes) -> None:
