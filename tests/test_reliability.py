@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import json
 import multiprocessing
@@ -648,33 +649,58 @@ async def test_unusable_path_save_is_rejected_before_work(env: Any, tmp_path: An
 
 
 ORPHANS = """
-import os, sys, warnings
+import os, signal, sys, time, warnings
 import anyio, grid2op
 from grid2op.Agent import DoNothingAgent
-from asyncrunner import AsyncRunner
+from asyncrunner import AsyncRunner, EpisodeStarted
+from asyncrunner.sinks import CallbackSink
 
-async def main():
+class Busy(DoNothingAgent):
+    def act(self, observation, reward, done=False):
+        time.sleep(600)  # a slow or hung agent (a remote model, an endless loop)
+
+async def main(busy):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         env = grid2op.make("l2rpn_case14_sandbox", test=True)
-    runner = AsyncRunner(env, agent=DoNothingAgent, workers=2)
-    await runner.run(2, max_iter=2)
+    runner = AsyncRunner(env, agent=Busy if busy else DoNothingAgent, workers=2)
+    if not busy:
+        await runner.run(2, max_iter=2)
+    else:  # both workers in act(), one of them stopped
+        started = anyio.Event()
+        seen = CallbackSink(lambda e: isinstance(e, EpisodeStarted) and e.index == 1 and started.set())
+        async with anyio.create_task_group() as group:
+            group.start_soon(lambda: runner.run(2, max_iter=2, sinks=[seen]))
+            await started.wait()
+            await anyio.sleep(0.5)
+            os.kill(min(runner._pool.pids), signal.SIGSTOP)
+            print(*runner._pool.pids, flush=True)
+            os._exit(0)  # dies in the middle of the run
     print(*runner._pool.pids, flush=True)
     os._exit(0)  # dies without closing the runner
 
-anyio.run(main)
+anyio.run(main, sys.argv[1] == "busy")
 """
 
 
 @pytest.mark.slow  # a Python subprocess that builds an env and forks its own workers
-async def test_forked_workers_exit_when_their_parent_dies(tmp_path: Any) -> None:
-    script = tmp_path / "orphans.py"
+@pytest.mark.parametrize("workers", ["idle", "busy"])
+async def test_forked_workers_exit_when_their_parent_dies(tmp_path: Any, workers: str) -> None:
+    # Busy workers (an agent in act(), a worker stopped) outlived their parent: they only saw
+    # it gone when they next wrote to it, which a hung agent never does.
+    script, out = tmp_path / "orphans.py", tmp_path / "pids"
     script.write_text(ORPHANS)
-    with anyio.fail_after(120):  # orphans holding its stdout would keep this waiting
-        done = await anyio.run_process([sys.executable, str(script)], check=True)
-    pids = [int(p) for p in done.stdout.split()]
+    command = [sys.executable, str(script), workers]
+    with anyio.fail_after(120), out.open("w") as stdout:  # (files: orphans hold them open)
+        await anyio.run_process(command, stdout=stdout, stderr=subprocess.DEVNULL, check=True)
+    pids = [int(p) for p in out.read_text().split()]
     assert len(pids) == 2
-    await wait_dead(pids)
+    try:
+        await wait_dead(pids)
+    finally:
+        for pid in pids:  # (the old code's orphans)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
 
 
 LEFT_OPEN = """

@@ -17,6 +17,8 @@ runs of more than 40 workers.
 from __future__ import annotations
 
 import concurrent.futures
+import ctypes
+import functools
 import gc
 import multiprocessing
 import os
@@ -50,8 +52,26 @@ def available() -> bool:
     return os.uname().sysname == "Linux" if hasattr(os, "uname") else False
 
 
-def _serve(sock: socket.socket, parent_ends: list[int]) -> None:
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+@functools.cache
+def _prctl() -> Callable[..., int]:
+    """Linux's ``prctl``, looked up in the parent: a child of a process with threads must not
+    load libraries (another thread may have held the loader's lock at the fork)."""
+    return ctypes.CDLL(None, use_errno=True).prctl
+
+
+def _serve(
+    sock: socket.socket, parent_ends: list[int], parent: int, prctl: Callable[..., int]
+) -> None:
     """A worker's life: run the calls that come over ``sock`` until it closes."""
+    # Killed when the thread that forked it ends (``_Forker``'s, which lives as long as its
+    # process): a worker busy in an agent's act() (slow, hung, or stopped) outlived a killed
+    # parent, holding its env, until it next wrote to it. A parent gone already: leave now.
+    prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent:
+        os._exit(0)
     # What the parent held at the fork (its env, grid2op, the caller's objects) is never
     # collected here: a full collection would go through all of it (0.15 to 0.2 s after a
     # parent built an env) and write to every object's pages, which the fork shares until then.
@@ -172,7 +192,8 @@ class _Worker:
             with _PARENT_ENDS_LOCK:
                 _PARENT_ENDS.add(mine)
                 ends = [fd for fd in (s.fileno() for s in _PARENT_ENDS) if fd != -1]
-            self.process = context.Process(target=_serve, args=(child, ends), daemon=True)
+            args = (child, ends, os.getpid(), _prctl())
+            self.process = context.Process(target=_serve, args=args, daemon=True)
             self.process.start()
         child.close()
         self.conn = AsyncSocket(mine)
