@@ -441,7 +441,15 @@ class Slow(BaseAgent):
 
 
 @pytest.mark.slow
-def test_ctrl_c_reports_what_finished_and_the_printed_command_resumes(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("sent", "status", "why"),
+    [(signal.SIGINT, 130, "interrupted"), (signal.SIGTERM, 143, "terminated")],
+)
+def test_ctrl_c_reports_what_finished_and_the_printed_command_resumes(
+    tmp_path: Path, sent: signal.Signals, status: int, why: str
+) -> None:
+    # SIGTERM (kill, timeout, docker stop, a batch system's time limit) ended the process at
+    # once: no word, no table, its temporary folders left in the save folder.
     (tmp_path / "slow_agent.py").write_text(SLOW_AGENT)
     argv = ["run", "--agent", "slow_agent.py:Slow", "-n", "3", "-w", "1", "--max-iter", "50"]
     argv += ["--seed", "0", "--save", "runs"]
@@ -453,21 +461,22 @@ def test_ctrl_c_reports_what_finished_and_the_printed_command_resumes(tmp_path: 
         while not list((tmp_path / "runs").glob("*/asyncrunner.json")):
             assert proc.poll() is None and time.monotonic() < deadline, "no episode finished"
             time.sleep(0.05)
-        proc.send_signal(signal.SIGINT)
-        sent = time.monotonic()
+        proc.send_signal(sent)
+        start = time.monotonic()
         out, err = proc.communicate(timeout=60)
-        stopped = time.monotonic() - sent
+        stopped = time.monotonic() - start
     finally:
         if proc.poll() is None:  # pragma: no cover - only when the test failed
             proc.kill()
             proc.communicate()
-    assert proc.returncode == 130, err
+    assert proc.returncode == status, err
     assert "Traceback" not in err
     assert stopped < QUICK
+    assert not [p for p in (tmp_path / "runs").iterdir() if p.name.startswith(".")]
     saved = sorted(p.name for p in (tmp_path / "runs").iterdir() if p.is_dir())
     assert 1 <= len(saved) < 3, saved  # interrupted between episodes
     assert [line.split()[1] for line in out.splitlines()[1:]] == saved  # the table of what finished
-    assert f"{len(saved)}/3 episodes finished" in err
+    assert f"asyncrunner: {why}; {len(saved)}/3 episodes finished" in err
     assert f"{len(saved)} saved in runs: {', '.join(saved)}" in err
     command = err.split("resume with: ", 1)[1].strip()
     assert command == "asyncrunner " + shlex.join([*argv, "--resume"])

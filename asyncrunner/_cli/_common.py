@@ -4,19 +4,24 @@ loading an agent and making an env from the command line, one-line messages."""
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
 import importlib
 import importlib.util
 import os
+import signal
 import sys
 import tempfile
 import warnings
+from collections.abc import Coroutine
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any, NoReturn, TypeVar
 
 __all__ = [
     "DEFAULT_ENV",
     "QUIET",
     "Parser",
+    "Terminated",
     "UsageError",
     "add_env_options",
     "at_least",
@@ -26,7 +31,10 @@ __all__ = [
     "make_env",
     "one_line",
     "parse_max_iter",
+    "run_until_stopped",
 ]
+
+T = TypeVar("T")
 
 DEFAULT_ENV = "l2rpn_case14_sandbox"
 # grid2op checks seeds against its integer type (int32).
@@ -288,3 +296,37 @@ def _backend(name: str | None) -> Any:
 def one_line(text: str, limit: int = 80) -> str:
     line = " ".join(text.split())
     return line if len(line) <= limit else line[: limit - 1] + "…"
+
+
+class Terminated(KeyboardInterrupt):
+    """The command got SIGTERM (``kill``, ``timeout``, ``docker stop``, a batch system's time
+    limit); caught where Ctrl-C is, exit status 143."""
+
+
+def run_until_stopped(main: Coroutine[Any, Any, T]) -> T:
+    """``asyncio.run(main)``, which SIGTERM stops as Ctrl-C does: ``main`` is cancelled (the
+    runner stops its workers and removes its temporary folders), then ``Terminated`` is raised.
+    SIGTERM ended the process at once: not a word, nothing listed, temporary folders left."""
+    terminated = False
+
+    def terminate(task: asyncio.Task[Any] | None) -> None:
+        nonlocal terminated
+        terminated = True
+        if task is not None:
+            task.cancel()
+
+    async def stoppable() -> T:
+        loop, task = asyncio.get_running_loop(), asyncio.current_task()
+        with contextlib.suppress(NotImplementedError):  # (Windows' loops take no handlers)
+            loop.add_signal_handler(signal.SIGTERM, terminate, task)
+        try:
+            return await main
+        finally:
+            loop.remove_signal_handler(signal.SIGTERM)
+
+    try:
+        return asyncio.run(stoppable())
+    except asyncio.CancelledError:
+        if terminated:
+            raise Terminated from None
+        raise

@@ -9,7 +9,6 @@ command that resumes it.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import os
 import shlex
 import sys
@@ -26,11 +25,13 @@ from ._common import (
     DEFAULT_ENV,
     QUIET,
     Parser,
+    Terminated,
     UsageError,
     add_env_options,
     at_least,
     one_line,
     parse_max_iter,
+    run_until_stopped,
 )
 from ._settings import Settings
 
@@ -185,12 +186,13 @@ def run_command(args: argparse.Namespace, parser: Parser, argv: list[str]) -> in
         if args.save is not None and not args.resume:
             _note_earlier_run(args.save)
         try:
-            results, elapsed, startup = asyncio.run(settings.play())
+            results, elapsed, startup = run_until_stopped(settings.play())
         finally:
             settings.env.close()
-    except KeyboardInterrupt:
-        _report_stopped(settings, args, argv, "interrupted")
-        return 130
+    except KeyboardInterrupt as exc:
+        terminated = isinstance(exc, Terminated)
+        _report_stopped(settings, args, argv, "terminated" if terminated else "interrupted")
+        return 143 if terminated else 130
     except SinkError as exc:  # saving (a full disk...) or the progress bar failed: it stopped
         cause = exc.__cause__
         what = f"{type(cause).__name__}: {cause}" if cause is not None else str(exc)

@@ -7,7 +7,6 @@ prints the same as JSON; ``--plot FILE.png`` draws score per scenario and surviv
 
 from __future__ import annotations
 
-import asyncio
 import json
 import sys
 import warnings
@@ -21,6 +20,7 @@ from ._common import (
     DEFAULT_ENV,
     QUIET,
     Parser,
+    Terminated,
     UsageError,
     add_env_options,
     at_least,
@@ -29,6 +29,7 @@ from ._common import (
     load_agent,
     make_env,
     parse_max_iter,
+    run_until_stopped,
 )
 
 __all__ = ["main"]
@@ -139,7 +140,7 @@ def main(argv: Sequence[str]) -> int:
         seeds: tuple[Any, Any] = (None, None)
         if args.seed is not None:
             seeds = derive_seeds(args.seed, nb)
-        results = asyncio.run(
+        results = run_until_stopped(
             score(
                 env,
                 agents,
@@ -161,10 +162,12 @@ def main(argv: Sequence[str]) -> int:
         return 1
     except Grid2OpException as exc:  # the competition's class refused the env (before any episode)
         parser.error(f"{args.competition} on this env: {exc}")
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as exc:
         again = " (add --resume to complete it)" if args.save else ""
-        print(f"asyncrunner score: interrupted{again}", file=sys.stderr)
-        return 130
+        terminated = isinstance(exc, Terminated)
+        why = "terminated" if terminated else "interrupted"
+        print(f"asyncrunner score: {why}{again}", file=sys.stderr)
+        return 143 if terminated else 130
     finally:
         env.close()
     if args.json:
