@@ -486,6 +486,27 @@ def test_bad_arguments_raise_grid2op_errors(
     assert ours._ar_session is None  # failed before any worker started
 
 
+def test_a_pbar_that_is_no_bar(runners: tuple[Any, compat.Runner], tmp_path: Path) -> None:
+    # It failed the run after its first episode (saved); grid2op's parallel runs ignore pbar,
+    # its sequential ones refuse it before any episode.
+    theirs, ours = runners
+    kwargs: dict[str, Any] = dict(nb_episode=3, max_iter=3, pbar=1)
+    expected = grid2ops(theirs.run, nb_process=2, path_save=tmp_path / "theirs", **kwargs)
+    results = quiet(ours.run, nb_process=2, path_save=tmp_path / "ours", **kwargs)
+    assert sorted(r[1:5] for r in results) == sorted(e[1:5] for e in expected)
+    assert sorted(p.name for p in (tmp_path / "ours").iterdir() if p.is_dir()) == [
+        "0000",
+        "0001",
+        "0002",
+    ]
+    with pytest.raises(TypeError):
+        grid2ops(theirs.run, nb_process=1, **kwargs)
+    ours.close()
+    with pytest.raises(TypeError, match=r"a bar with an update\(n\) method, got 1"):
+        quiet(ours.run, nb_process=1, **kwargs)
+    assert ours._ar_session is None  # refused before any worker started
+
+
 def test_run_one_episode_matches_grid2op(env: Any) -> None:
     kwargs: dict[str, Any] = dict(max_iter=5, env_seed=3, agent_seed=4, add_nb_highres_sim=True)
     expected = grid2ops(

@@ -36,7 +36,7 @@ from asyncrunner._engine._dispatch import SINK_BUFFER
 from asyncrunner.sinks import CallbackSink, EpisodeDataWriter, LoggingSink, ProgressBar, Sink
 
 from .conftest import make_env
-from .helpers import run_code
+from .helpers import run_code, starts
 
 pytestmark = pytest.mark.anyio
 
@@ -254,6 +254,15 @@ async def test_pbar_class_builds_an_episode_bar_and_a_step_bar(runner: AsyncRunn
     assert (steps.desc, steps.total, steps.n, steps.closed) == ("step", 12, 12, True)
     # The step total grows by max_ts as episodes start.
     assert steps.totals[0] == 0 and steps.totals[1] == 4 and max(t or 0 for t in steps.totals) == 12
+
+
+async def test_a_pbar_that_is_no_bar_is_refused_before_the_run(runner: AsyncRunner) -> None:
+    # It failed the run at the first episode's end, that episode played (and saved).
+    started, sink = starts()
+    for pbar in (1, "yes"):
+        with pytest.raises(TypeError, match="a bar with an update"):
+            await runner.run(2, max_iter=2, pbar=pbar, sinks=[sink])
+    assert started == []
 
 
 async def test_pbar_instance_is_the_episode_bar(runner: AsyncRunner) -> None:

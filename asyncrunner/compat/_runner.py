@@ -390,7 +390,7 @@ class Runner(_GridRunner):  # type: ignore[misc]  # grid2op is untyped (Any base
             options=options,
             nb_process=int(nb_process),
             path_save=path_save,
-            pbar=pbar,
+            pbar=pbar if nb_process == 1 else False,  # (grid2op's parallel runs draw no bar)
             env_seeds=[None] * nb_episode if env_seeds is None else list(env_seeds),
             agent_seeds=[None] * nb_episode if agent_seeds is None else list(agent_seeds),
             max_iter=max_iter,

@@ -36,6 +36,12 @@ class ProgressBar(Sink):
     def __init__(self, pbar: Any = True) -> None:
         if pbar is None or pbar is False:
             raise ValueError("ProgressBar(pbar) needs True, a tqdm-like class or an instance")
+        if pbar is not True and not isinstance(pbar, type) and not hasattr(pbar, "update"):
+            # (it failed at the first episode's end, once that episode was played)
+            raise TypeError(
+                "ProgressBar(pbar) needs True, a tqdm-like class or a bar with an update(n) "
+                f"method, got {pbar!r}"
+            )
         self.pbar = pbar
         self._episodes: Any = None
         self._steps: Any = None
