@@ -31,7 +31,7 @@ from ._engine._pool import WorkerPool
 from ._engine._recipe import agent_name, agent_recipe, class_attributes, env_key, recipes
 from ._exceptions import AsyncRunnerError, EpisodeError, unwrapped
 from ._model import EpisodeResult, Event
-from ._plan._arguments import chronic_names
+from ._plan._arguments import at_least, chronic_names
 from ._plan._mixes import mixes_of
 from ._plan._planner import plan_run
 from ._pools._dask import DaskPool, as_dask
@@ -193,8 +193,7 @@ class AsyncRunner(AsyncResource):
         cpus = usable_cpus()
         if workers is None:
             workers = cpus
-        if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
-            raise ValueError(f"`workers` must be an integer >= 1, got {workers!r}")
+        workers = at_least("workers", workers, 1)
         if executor is None and workers > _WORKERS_PER_CPU * cpus:
             raise ValueError(
                 f"workers={workers} asks for up to {workers} worker processes, each with its own env, "
@@ -212,8 +211,7 @@ class AsyncRunner(AsyncResource):
                 "`executor` must be None, a concurrent.futures.Executor or a Dask client, got "
                 f"{type(executor).__name__}"
             )
-        if isinstance(retries, bool) or not isinstance(retries, int) or retries < 0:
-            raise ValueError(f"`retries` must be an integer >= 0, got {retries!r}")
+        retries = at_least("retries", retries, 0)
         if not isinstance(copy_env, bool):
             raise TypeError(f"`copy_env` must be True or False, got {copy_env!r}")
         _check_sinks(sinks)
@@ -554,10 +552,7 @@ class AsyncRunner(AsyncResource):
             if not episode_timeout > 0:
                 raise ValueError(f"`episode_timeout` must be > 0 seconds, got {episode_timeout!r}")
             episode_timeout = float(episode_timeout)
-        if retries is None:
-            retries = self.retries
-        elif isinstance(retries, bool) or not isinstance(retries, int) or retries < 0:
-            raise ValueError(f"`retries` must be an integer >= 0, got {retries!r}")
+        retries = self.retries if retries is None else at_least("retries", retries, 0)
         _check_sinks(sinks)
         self._check_agent_class()
         plan = await plan_run(

@@ -293,12 +293,22 @@ async def test_async_agent_in_a_worker_is_rejected(env: Any) -> None:
         (dict(max_batch=0), "max_batch"),
         (dict(max_wait=-1.0), "max_wait"),
         (dict(max_wait=math.nan), "max_wait"),
+        (dict(max_wait="0.1"), "max_wait"),
         (dict(envs_per_worker=0), "envs_per_worker"),
     ],
 )
 def test_bad_arguments_are_rejected(kwargs: dict[str, Any], match: str) -> None:
     with pytest.raises(ValueError, match=match):
         CentralAgent(RandomAgent, **kwargs)
+
+
+def test_numpy_integers_are_integers(env: Any) -> None:
+    # "must be an integer >= 1, got np.int64(2)" (run()'s counts took them)
+    two, four = np.int64(2), np.int64(4)
+    central = CentralAgent(RandomAgent, max_batch=four, envs_per_worker=two)  # type: ignore[arg-type]
+    assert (central.max_batch, central.envs_per_worker) == (4, 2)
+    runner = AsyncRunner(env, agent=central, workers=two, retries=two)  # type: ignore[arg-type]
+    assert (runner.workers, runner.retries) == (2, 2)
 
 
 def test_not_an_agent_is_rejected() -> None:

@@ -334,6 +334,7 @@ async def test_numpy_integers_and_good_reset_values_are_accepted(
         agent_seeds=[np.uint32(7), 8],
         episode_id=[np.int64(1), "0000"],
         episode_timeout=np.float64(60),
+        retries=np.int64(1),
     )
     with anyio.fail_after(TIMEOUT):
         results = await runner.run(

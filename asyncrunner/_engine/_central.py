@@ -16,6 +16,7 @@ from __future__ import annotations
 import collections
 import copy
 import inspect
+import numbers
 import pickle
 import traceback
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -25,6 +26,7 @@ from typing import Any
 import anyio
 import numpy as np
 
+from .._plan._arguments import at_least
 from ._channel import AgentCall, Channel
 
 __all__ = ["CentralAgent", "is_async_agent", "serving"]
@@ -78,16 +80,11 @@ class CentralAgent:
         vectors: bool = False,
         envs_per_worker: int = 1,
     ) -> None:
-        if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
-            raise ValueError(f"`max_batch` must be an integer >= 1, got {max_batch!r}")
-        if (
-            isinstance(envs_per_worker, bool)
-            or not isinstance(envs_per_worker, int)
-            or envs_per_worker < 1
-        ):
-            raise ValueError(f"`envs_per_worker` must be an integer >= 1, got {envs_per_worker!r}")
-        if not max_wait >= 0:
-            raise ValueError(f"`max_wait` must be >= 0 seconds, got {max_wait!r}")
+        max_batch = at_least("max_batch", max_batch, 1)
+        envs_per_worker = at_least("envs_per_worker", envs_per_worker, 1)
+        real = isinstance(max_wait, numbers.Real) and not isinstance(max_wait, bool)
+        if not (real and max_wait >= 0):
+            raise ValueError(f"`max_wait` must be a number of seconds >= 0, got {max_wait!r}")
         if isinstance(agent, type) or not (hasattr(agent, "act") or hasattr(agent, "act_batch")):
             if not callable(agent):
                 raise TypeError(

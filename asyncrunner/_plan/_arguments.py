@@ -80,6 +80,13 @@ def is_integer(value: Any) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
+def at_least(name: str, value: Any, lowest: int) -> int:
+    """``value`` as an ``int``: an integer (numpy's too, not a bool) >= ``lowest``."""
+    if not is_integer(value) or value < lowest:
+        raise ValueError(f"`{name}` must be an integer >= {lowest}, got {value!r}")
+    return int(value)
+
+
 def _seed(name: str, value: Any, maximum: int) -> int | None:
     if value is None:
         return None

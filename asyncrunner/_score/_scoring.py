@@ -26,6 +26,7 @@ import anyio
 import anyio.to_thread
 
 from .._exceptions import unwrapped
+from .._plan._arguments import at_least
 from .._runner import AsyncRunner, sharing_workers, usable_cpus
 from ._grid2op import COMPETITIONS, ScorePlan, compute_stats, grid2op_scores
 
@@ -110,10 +111,8 @@ async def score(
         if value is not None and (not whole or value < lowest or value == 0):
             also = " (or -1: every step of the scenario)" if lowest < 0 else ""
             raise ValueError(f"`{name}` must be an integer >= 1{also}, got {value!r}")
-    if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int)):
-        raise ValueError(f"`workers` must be an integer >= 1, got {workers!r}")
-    if workers is not None and workers < 1:
-        raise ValueError(f"`workers` must be an integer >= 1, got {workers!r}")
+    if workers is not None:
+        workers = at_least("workers", workers, 1)
     plan = await anyio.to_thread.run_sync(
         functools.partial(
             ScorePlan.make, env, agent_list, competition=competition, nb_scenario=nb_scenario,
