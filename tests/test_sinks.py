@@ -33,7 +33,14 @@ from asyncrunner import (
 )
 from asyncrunner._engine import _channel, _dispatch
 from asyncrunner._engine._dispatch import SINK_BUFFER
-from asyncrunner.sinks import CallbackSink, EpisodeDataWriter, LoggingSink, ProgressBar, Sink
+from asyncrunner.sinks import (
+    CallbackSink,
+    CompactEpisodeWriter,
+    EpisodeDataWriter,
+    LoggingSink,
+    ProgressBar,
+    Sink,
+)
 
 from .conftest import make_env
 from .helpers import run_code, starts
@@ -673,6 +680,16 @@ async def test_events_arrays_are_read_only(runner: AsyncRunner) -> None:
     ]
     assert {name for _, name, _ in arrays} >= {"observation", "observations", "rewards", "done"}
     assert [(kind, name) for kind, name, a in arrays if a.flags.writeable] == []
+
+
+@pytest.mark.parametrize("writer", [EpisodeDataWriter, CompactEpisodeWriter])
+def test_a_writer_refuses_an_empty_path_or_a_file(writer: type[Any], tmp_path: Path) -> None:
+    # An empty path (an unset shell variable) saved into the current folder.
+    with pytest.raises(ValueError, match=r'\(""\) is an empty path: give a folder'):
+        writer("")
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ValueError, match="exists and is not a folder"):
+        writer(tmp_path / "file")
 
 
 def _rename_lines(event: Event) -> None:

@@ -58,6 +58,11 @@ class Writer(Sink):
     needs_steps = False
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
+        if not os.fspath(path):  # (an unset shell variable: it saved into the current folder)
+            raise ValueError(
+                f'{type(self).__name__}("") is an empty path: give a folder to save episodes in '
+                '(".": here)'
+            )
         path = os.path.abspath(os.fspath(path))
         if os.path.exists(path) and not os.path.isdir(path):
             raise ValueError(f"cannot save episodes in {path!r}: it exists and is not a folder")
