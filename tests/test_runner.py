@@ -18,7 +18,7 @@ import pytest
 from grid2op.Agent import BaseAgent, DoNothingAgent, RandomAgent
 from grid2op.Reward import AlarmReward
 
-from asyncrunner import AsyncRunner, CentralAgent, EpisodeFinished, StepBatch
+from asyncrunner import AsyncRunner, CentralAgent, EpisodeFinished, RunFinished, StepBatch
 from asyncrunner._engine import _channel, _envs
 from asyncrunner._engine._pool import WorkerPool
 from asyncrunner._pools._fork import ForkPool
@@ -473,6 +473,25 @@ async def test_stream_gives_events_in_episode_order(env: Any) -> None:
             np.cumsum([1] + [len(b) for b in batches[:-1]])
         )
         assert batches[0].observations.shape == (len(batches[0]), env.observation_space.n)
+
+
+@BOTH_LOOPS
+async def test_a_streams_run_finished_says_where_each_episode_is_saved(
+    env: Any, tmp_path: Path
+) -> None:
+    # Its results had no path: the writer was still placing the files (a second run's went to
+    # 0000_1, 0001_1, which a stream's user could not tell).
+    async with AsyncRunner(env, agent=DoNothingAgent, workers=2) as runner:
+        first = await runner.run(2, max_iter=3, path_save=tmp_path)
+        async with runner.stream(2, max_iter=3, path_save=tmp_path) as events:
+            seen = [event async for event in events]
+    ended = seen[-1]
+    assert isinstance(ended, RunFinished)
+    assert [r.path for r in first] == [str(tmp_path / "0000"), str(tmp_path / "0001")]
+    assert [r.path for r in ended.results] == [str(tmp_path / "0000_1"), str(tmp_path / "0001_1")]
+    assert all(
+        [await anyio.Path(r.path or "", "episode_meta.json").is_file() for r in ended.results]
+    )
 
 
 @BOTH_LOOPS

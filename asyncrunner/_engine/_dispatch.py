@@ -135,6 +135,7 @@ class Run:
         sink_errors: list[SinkError] = []
         playing = anyio.CancelScope()
         closes = _Closes(len(self.sinks))
+        ended: RunFinished | None = None
 
         def stop_for_sink() -> None:
             playing.cancel()
@@ -161,9 +162,8 @@ class Run:
                             (send, sink.episode_format is not None)
                             for send, sink in zip(sink_sends, self.sinks, strict=True)
                         ]
-                        if out is not None:
-                            targets.append((out, False))
-                        emit = _fan_out(targets)
+                        to_sinks = _fan_out(targets)
+                        emit = to_sinks if out is None else _fan_out([*targets, (out, False)])
                         with closes:
                             with playing:
                                 self._stages = await self._make_stages()
@@ -178,10 +178,15 @@ class Run:
                                     )
                                 )
                                 await self._dispatch_and_collect(channel, emit)
-                                await emit(RunFinished(self.run_id, tuple(self._ordered())))
+                                ended = RunFinished(self.run_id, tuple(self._ordered()))
+                                await to_sinks(ended)
                             for send in sink_sends:
                                 await send.aclose()
                             await closes.all_done.wait()
+                            if out is not None and not sink_errors and ended is not None:
+                                # The stream's once the writers placed the files: with paths.
+                                placed = tuple(self._with_paths(list(ended.results)))
+                                await send_soon(out, replace(ended, results=placed))
                 except anyio.get_cancelled_exc_class():
                     # Cancelled (a timeout, a stream left) while the other sinks drained: the
                     # sink's failure came first, and is what the caller needs to know.
