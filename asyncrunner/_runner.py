@@ -56,6 +56,18 @@ _INSIDE: contextvars.ContextVar[frozenset[anyio.CancelScope]] = contextvars.Cont
 )
 
 
+def check_local_workers(workers: int) -> None:
+    """Refuse more local worker processes than this machine can hold (each has its own env)."""
+    cpus = usable_cpus()
+    if workers > _WORKERS_PER_CPU * cpus:
+        raise ValueError(
+            f"workers={workers} asks for up to {workers} worker processes, each with its own env, "
+            f"on the {cpus} CPU(s) this process may use: use at most {_WORKERS_PER_CPU * cpus} "
+            f"({_WORKERS_PER_CPU} per CPU), CentralAgent(agent, envs_per_worker=N) for agents "
+            "that mostly wait, or a cluster (executor=...)"
+        )
+
+
 def usable_cpus() -> int:
     """The CPUs this process may use: its affinity (``taskset``, a Slurm job's CPUs, a
     container's cpuset; ``os.process_cpu_count`` of Python 3.13), not the machine's count, and
@@ -190,17 +202,9 @@ class AsyncRunner(AsyncResource):
             raise ValueError("the env is closed: pass an open grid2op env (make a new one)")
         if not hasattr(env, "get_params_for_runner"):
             raise TypeError(f"env must be a grid2op Environment, got {type(env).__name__}")
-        cpus = usable_cpus()
-        if workers is None:
-            workers = cpus
-        workers = at_least("workers", workers, 1)
-        if executor is None and workers > _WORKERS_PER_CPU * cpus:
-            raise ValueError(
-                f"workers={workers} asks for up to {workers} worker processes, each with its own env, "
-                f"on the {cpus} CPU(s) this process may use: use at most {_WORKERS_PER_CPU * cpus} "
-                f"({_WORKERS_PER_CPU} per CPU), CentralAgent(agent, envs_per_worker=N) for agents "
-                "that mostly wait, or a cluster (executor=...)"
-            )
+        workers = usable_cpus() if workers is None else at_least("workers", workers, 1)
+        if executor is None:
+            check_local_workers(workers)
         self._dask = as_dask(executor)
         if (
             self._dask is None

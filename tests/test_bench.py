@@ -309,6 +309,8 @@ def test_bad_arguments() -> None:
     assert "asyncrunner bench: error" in done.stderr
     for args, message in (
         (["--workers", "1,1"], "each worker count once"),
+        # before anything forks (it forked them for the bare loops, then ran grid2op's Runner)
+        (["--workers", "1,100000"], "--workers: workers=100000 asks for up to 100000"),
         (["--plot", "b.svg"], "PNG"),
         (["--repeat", "0"], "--repeat"),
     ):

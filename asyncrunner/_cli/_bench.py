@@ -199,10 +199,16 @@ def _worker_counts(text: str) -> list[int]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``asyncrunner bench [options]``; returns the exit status."""
+    from .._runner import check_local_workers
+
     parser = build_parser()
     args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
     if args.plot is not None:
         check_plot(parser, Path(args.plot))
+    try:  # before anything forks (it ran grid2op's Runner with nb_process=1000 first)
+        check_local_workers(args.workers[-1])
+    except ValueError as exc:
+        parser.error(f"--workers: {exc}")
     with warnings.catch_warnings():
         for message in QUIET:
             warnings.filterwarnings("ignore", message=message)
