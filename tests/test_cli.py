@@ -229,3 +229,15 @@ def test_bad_arguments_exit_2_with_what_to_do(
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert message in err and "--help" in err  # one line, and where to read more
+
+
+def test_no_episode_id_hint_without_episode_ids(capsys: pytest.CaptureFixture[str]) -> None:
+    # Every refusal of the runner ended with "(if '' is the env to play, give it before
+    # --episode-id, ...)" when no --episode-id was given.
+    from asyncrunner._cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["run", "--workers", "100000"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "workers=100000 asks for" in err and "--episode-id" not in err

@@ -135,7 +135,9 @@ def _episode_id(text: str, names: list[str] | None) -> int | str:
 
 def _swallowed_env_hint(args: argparse.Namespace, names: list[str] | None) -> str:
     """`run --episode-id 0000 my_env` reads my_env as an id and plays the default env."""
-    last = (args.episode_id or [""])[-1]
+    if not args.episode_id:
+        return ""
+    last = args.episode_id[-1]
     if args.env != DEFAULT_ENV or (names is not None and last in names) or last.isdigit():
         return ""
     return (
