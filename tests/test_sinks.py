@@ -662,8 +662,9 @@ async def test_a_sink_serves_one_run_at_a_time(env: Any, tmp_path: Path) -> None
             # One run after the other, as the runner's sinks are for.
             second = await runner.run(1, episode_id=[1], max_iter=5)
             assert second[0].path == str(tmp_path / "0001")
-            with pytest.raises(RuntimeError, match="already serving a run"):
-                await runner.run(1, max_iter=3, sinks=[writer])  # the runner's, and again
+            # the runner's, and again (it was told "already serving a run": no other run was)
+            with pytest.raises(RuntimeError, match=r"is given twice to this run .*: give it once"):
+                await runner.run(1, max_iter=3, sinks=[writer])
 
 
 async def test_events_arrays_are_read_only(runner: AsyncRunner) -> None:

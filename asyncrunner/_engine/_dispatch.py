@@ -499,7 +499,12 @@ def _one_run_each(sinks: Sequence[Sink]) -> Iterator[None]:
     ids = [id(sink) for sink in sinks]
     with _BUSY_LOCK:
         for i, sink in enumerate(sinks):
-            if ids[i] in _BUSY or ids[i] in ids[:i]:
+            if ids[i] in ids[:i]:
+                raise RuntimeError(
+                    f"sink {sink!r} is given twice to this run (in AsyncRunner(sinks=[...]) and "
+                    "run(sinks=[...]), or twice in one list): give it once"
+                )
+            if ids[i] in _BUSY:
                 raise RuntimeError(
                     f"sink {sink!r} is already serving a run: a sink serves one run at a time. "
                     "Give each run that overlaps another its own sinks (run(..., sinks=[...]), "
