@@ -745,6 +745,11 @@ def _same(value: Any, then: Any) -> bool:
 
 
 def _check_sinks(sinks: Sequence[Sink]) -> None:
+    if isinstance(sinks, Sink) or not isinstance(sinks, Sequence):
+        raise TypeError(
+            f"`sinks` must be a list of sinks, got {type(sinks).__name__}"
+            + (" (sinks=[sink]: a list of one)" if isinstance(sinks, Sink) else "")
+        )
     for sink in sinks:
         if not isinstance(sink, Sink):
             raise TypeError(

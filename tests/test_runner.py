@@ -23,6 +23,7 @@ from asyncrunner._engine import _channel, _envs
 from asyncrunner._engine._pool import WorkerPool
 from asyncrunner._pools._fork import ForkPool
 from asyncrunner._runner import sharing_workers
+from asyncrunner.sinks import CallbackSink
 
 from .helpers import BOTH_LOOPS, grid2ops, quiet, run_code, starts
 
@@ -518,6 +519,16 @@ async def test_leaving_a_stream_early_cancels_the_run(env: Any) -> None:
         (dict(nb_episode=2, init_states=[{}]), ValueError, "init_states"),
         (dict(nb_episode=1, reset_options={"bogus": 1}), ValueError, "bogus"),
         (dict(nb_episode=1, on_error="ignore"), ValueError, "on_error"),
+        (
+            dict(nb_episode=1, sinks=None),
+            TypeError,
+            "`sinks` must be a list of sinks, got NoneType",
+        ),
+        (
+            dict(nb_episode=1, sinks=CallbackSink(print)),
+            TypeError,
+            r"got CallbackSink \(sinks=\[sink\]: a list of one\)",
+        ),
     ],
 )
 async def test_bad_run_arguments_fail_before_any_work(
@@ -539,6 +550,8 @@ class _Unpicklable(DoNothingAgent):  # type: ignore[misc]  # grid2op is untyped
 async def test_bad_runner_arguments(env: Any) -> None:
     with pytest.raises(ValueError, match="workers"):
         AsyncRunner(env, agent=DoNothingAgent, workers=0)
+    with pytest.raises(TypeError, match="`sinks` must be a list of sinks, got generator"):
+        AsyncRunner(env, agent=DoNothingAgent, sinks=(s for s in [CallbackSink(print)]))  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="BaseAgent"):
         AsyncRunner(env, agent=int)
     with pytest.raises(TypeError, match="cannot be pickled"):
