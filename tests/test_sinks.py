@@ -683,6 +683,23 @@ async def test_events_arrays_are_read_only(runner: AsyncRunner) -> None:
     assert [(kind, name) for kind, name, a in arrays if a.flags.writeable] == []
 
 
+@pytest.mark.parametrize(
+    ("sink", "kwargs", "message"),
+    [
+        (CallbackSink, dict(fn=None), r"CallbackSink\(fn\) needs a function"),
+        (LoggingSink, dict(logger=3), r"LoggingSink\(logger\) needs a logging.Logger"),
+        (LoggingSink, dict(level="x"), r"LoggingSink\(level=\) needs a logging level"),
+        (LoggingSink, dict(level=None), r"LoggingSink\(level=\) needs a logging level"),
+    ],
+)
+def test_sinks_refuse_what_they_cannot_use(
+    sink: type[Any], kwargs: dict[str, Any], message: str
+) -> None:
+    # They failed at the run's first event, with a raw error (or one of their repr).
+    with pytest.raises(TypeError, match=message):
+        sink(**kwargs)
+
+
 @pytest.mark.parametrize("writer", [EpisodeDataWriter, CompactEpisodeWriter])
 def test_a_writer_refuses_an_empty_path_or_a_file(writer: type[Any], tmp_path: Path) -> None:
     # An empty path (an unset shell variable) saved into the current folder.

@@ -25,6 +25,8 @@ class CallbackSink(Sink):
     def __init__(
         self, fn: Callable[[Event], Awaitable[None] | None], *, needs_steps: bool = True
     ) -> None:
+        if not callable(fn):
+            raise TypeError(f"CallbackSink(fn) needs a function of the event, got {fn!r}")
         self.fn = fn
         self.needs_steps = needs_steps
 

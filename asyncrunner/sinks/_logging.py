@@ -37,6 +37,14 @@ class LoggingSink(Sink):
     ) -> None:
         if logger is None or isinstance(logger, str):
             logger = logging.getLogger(logger or "asyncrunner")
+        if not isinstance(logger, logging.Logger):
+            raise TypeError(
+                f"LoggingSink(logger) needs a logging.Logger or its name, got {logger!r}"
+            )
+        if isinstance(level, bool) or not isinstance(level, int):
+            raise TypeError(
+                f"LoggingSink(level=) needs a logging level (logging.INFO), got {level!r}"
+            )
         self.logger = logger
         self.level = level
 
