@@ -245,7 +245,8 @@ def _check_id(ep_id: Any, names: list[str] | None) -> int | str:
             )
         return ep_id
     if not is_integer(ep_id):
-        raise TypeError(f"episode ids must be integers or chronic names, got {ep_id!r}")
+        pair = " ((mix, id) pairs are tuples)" if isinstance(ep_id, list) else ""
+        raise TypeError(f"episode ids must be integers or chronic names, got {ep_id!r}{pair}")
     value = int(ep_id)
     if value < 0:
         raise ValueError(f"episode id {value} is out of range: ids start at 0")
