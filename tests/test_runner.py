@@ -560,6 +560,8 @@ async def test_bad_runner_arguments(env: Any) -> None:
     closed.close()
     with pytest.raises(ValueError, match="closed"):
         AsyncRunner(closed, agent=DoNothingAgent)
+    with pytest.raises(TypeError, match=r"\(grid2op.make\(...\)\), got the class Environment"):
+        AsyncRunner(type(env), agent=DoNothingAgent)  # (it failed deep inside, in grid2op)
 
 
 _IN_CGROUP = """
