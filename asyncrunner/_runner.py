@@ -198,11 +198,12 @@ class AsyncRunner(AsyncResource):
         retries: int = 1,
         copy_env: bool = False,
     ) -> None:
+        # (the closed check first: a closed multimix env raises reading any other attribute)
+        if not isinstance(env, type) and _closed(env):
+            raise ValueError("the env is closed: pass an open grid2op env (make a new one)")
         if isinstance(env, type) or not hasattr(env, "get_params_for_runner"):
             what = f"the class {env.__name__}" if isinstance(env, type) else type(env).__name__
             raise TypeError(f"env must be a grid2op Environment (grid2op.make(...)), got {what}")
-        if _closed(env):
-            raise ValueError("the env is closed: pass an open grid2op env (make a new one)")
         workers = usable_cpus() if workers is None else at_least("workers", workers, 1)
         if executor is None:
             check_local_workers(workers)
