@@ -551,12 +551,34 @@ async def test_a_sink_that_never_closes_holds_a_stopped_run_only_its_grace(
         await runner.run(1, max_iter=2)  # workers up: the runs end well within 3 s
         with pytest.raises(TimeoutError) as timed_out, anyio.fail_after(3):
             await runner.run(2, max_iter=3, sinks=[NeverCloses()])
-        with pytest.raises(SinkError, match="first end"):
+        with pytest.raises(SinkError, match="first end") as info:
             await runner.run(2, max_iter=3, sinks=[FailsOnFirstEnd(), NeverCloses()])
+        with pytest.raises(SinkError, match="first end") as failed:
+            await runner.run(2, max_iter=3, sinks=[FailsOnFirstEnd(), ClosesSlowly()])
     if anyio_backend == "asyncio":  # (trio raises its Cancelled anew in each scope it leaves)
         cancelled = timed_out.value.__context__
         notes = "".join(getattr(cancelled, "__notes__", []))
         assert "NeverCloses> failed closing: TimeoutError: still closing 0.5 s after" in notes
+    # The other sink's stuck close is told with the failure that stopped the run.
+    assert "NeverCloses> failed closing (aclose): TimeoutError" in "".join(info.value.__notes__)
+    # A sink still draining when the run's grace ended gets its own grace to close: its close
+    # was cut at once (a writer left the episodes it had in its temporary folder).
+    assert "ClosesSlowly" not in "".join(getattr(failed.value, "__notes__", []))
+    assert ClosesSlowly.closed
+
+
+class ClosesSlowly(Stuck):
+    """Stuck on its first episode end (cancelled once the run's grace is over), then takes a
+    little time to close."""
+
+    closed = False
+
+    def __repr__(self) -> str:
+        return "<ClosesSlowly>"
+
+    async def aclose(self) -> None:
+        await anyio.sleep(0.2)
+        ClosesSlowly.closed = True
 
 
 class FailingAgent(BaseAgent):  # type: ignore[misc]  # grid2op is untyped

@@ -134,7 +134,7 @@ class Run:
         # events they were given (a writer saves the episodes it got), then close.
         sink_errors: list[SinkError] = []
         playing = anyio.CancelScope()
-        closes = _Closes(len(self.sinks))
+        closes = _Closes(len(self.sinks), sink_errors)
         ended: RunFinished | None = None
 
         def stop_for_sink() -> None:
@@ -191,10 +191,10 @@ class Run:
                     # Cancelled (a timeout, a stream left) while the other sinks drained: the
                     # sink's failure came first, and is what the caller needs to know.
                     if sink_errors:
-                        raise sink_errors[0] from None
+                        raise _first_failure(sink_errors) from None
                     raise
                 if sink_errors:
-                    raise sink_errors[0]
+                    raise _first_failure(sink_errors)
             except* SinkError as failed:
                 # As EpisodeError does: what was played stays known (and saved, where it was).
                 finished = [r for r in self._with_paths(self._ordered()) if r.error is None]
@@ -551,14 +551,17 @@ def _fan_out(
 
 class _Closes:
     """The sinks' closes: shielded from a cancellation (a writer still places the episodes it
-    was given), for ``SINK_DRAIN_GRACE`` seconds once the run stops (``hurry``: a sink failed,
-    or, leaving ``with``, the caller cancelled): a sink that never closes must not keep the
-    caller for ever. ``all_done`` is set once every sink's close is over; ``stopped_by``: the
-    exception (the caller's cancellation) that left ``with``."""
+    was given), each for ``SINK_DRAIN_GRACE`` seconds from the run's stop or its own start,
+    whichever is later (``hurry``: a sink failed, or, leaving ``with``, the caller cancelled): a
+    sink that never closes must not keep the caller for ever, and one still draining when the
+    run stopped gets its grace to close. ``all_done`` is set once every sink's close is over;
+    ``stopped_by``: the exception (the caller's cancellation) that left ``with`` while no sink
+    had failed (``errors``: after one, the run's own grace ends it)."""
 
-    def __init__(self, count: int) -> None:
+    def __init__(self, count: int, errors: list[SinkError]) -> None:
         self.stopped_by: BaseException | None = None
-        self._deadline = math.inf
+        self._errors = errors
+        self._hurried = False
         self._scopes: set[anyio.CancelScope] = set()
         self._left = count
         self.all_done = anyio.Event()
@@ -566,21 +569,24 @@ class _Closes:
             self.all_done.set()
 
     def hurry(self) -> None:
-        self._deadline = min(self._deadline, anyio.current_time() + SINK_DRAIN_GRACE)
-        for scope in self._scopes:
-            scope.deadline = self._deadline
+        if not self._hurried:
+            self._hurried = True
+            for scope in self._scopes:
+                scope.deadline = anyio.current_time() + SINK_DRAIN_GRACE
 
     def __enter__(self) -> None:
         pass
 
     def __exit__(self, kind: object, exc: BaseException | None, tb: object) -> None:
         if exc is not None:
-            self.stopped_by = exc
+            if not self._errors:
+                self.stopped_by = exc
             self.hurry()
 
     @contextmanager
     def shielded(self) -> Iterator[anyio.CancelScope]:
-        with anyio.CancelScope(shield=True, deadline=self._deadline) as scope:
+        deadline = anyio.current_time() + SINK_DRAIN_GRACE if self._hurried else math.inf
+        with anyio.CancelScope(shield=True, deadline=deadline) as scope:
             self._scopes.add(scope)
             try:
                 yield scope
@@ -601,6 +607,13 @@ def _the_sinks_own(exc: BaseException) -> bool:
     return cancelled and anyio.current_effective_deadline() != -math.inf
 
 
+def _first_failure(errors: list[SinkError]) -> SinkError:
+    """The first sink failure, which stopped the run, told with the others."""
+    for other in errors[1:]:
+        errors[0].add_note(f"then {other}")
+    return errors[0]
+
+
 def _sink_error(sink: Sink, what: str, exc: BaseException) -> SinkError:
     error = SinkError(f"sink {sink!r} {what}: {type(exc).__name__}: {exc}", sink=sink)
     error.__cause__ = exc
@@ -617,7 +630,6 @@ async def _consume(
     """Hand ``sink`` its events, then close it. Its failure is added to ``errors`` and stops
     the run (``stop``); the events still coming are then dropped, so that the run never waits
     for it."""
-    first: BaseException | None = None
     failed: SinkError | None = None
     try:
         async with receive:
@@ -626,6 +638,15 @@ async def _consume(
                     event = await receive_soon(receive)
                 except anyio.EndOfStream:
                     break
+                except anyio.get_cancelled_exc_class() as exc:
+                    # A sink that cancelled its own task and returned gets it here.
+                    if not _the_sinks_own(exc):
+                        raise
+                    if failed is None:
+                        failed = _sink_error(sink, "cancelled its own task", exc)
+                        errors.append(failed)
+                        stop()
+                    continue
                 if failed is not None:
                     continue
                 try:
@@ -636,13 +657,10 @@ async def _consume(
                     failed = _sink_error(sink, f"failed on {type(event).__name__}", exc)
                     errors.append(failed)
                     stop()
-    except BaseException as exc:  # the cancellation to pass on
-        first = exc
-        raise
     finally:
         closing = await _close(sink, closes)
         # A close cut short by the caller's cancellation is told on it, not instead of it.
-        told = first or failed or closes.stopped_by
+        told = failed or closes.stopped_by
         if closing is not None:
             if told is None:
                 errors.append(_sink_error(sink, "failed closing (aclose)", closing))
