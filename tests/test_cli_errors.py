@@ -551,3 +551,26 @@ def test_run_starts_its_forked_workers_from_copies_of_the_env_it_made(
     assert code == 0, err
     assert "2/2 episodes played" in out
     assert _envs.builds() == before
+
+
+def test_the_sigterm_handler_is_the_runs_only() -> None:
+    # The process's own handler comes back after (it was left at SIG_DFL), and a command run
+    # off the main thread, where no signal handler can be set, runs.
+    from concurrent.futures import ThreadPoolExecutor
+
+    from asyncrunner._cli._common import run_until_stopped
+
+    async def answer() -> int:
+        return 42
+
+    def mine(signum: int, frame: object) -> None:
+        pass
+
+    previous = signal.signal(signal.SIGTERM, mine)
+    try:
+        assert run_until_stopped(answer()) == 42
+        assert signal.getsignal(signal.SIGTERM) is mine
+        with ThreadPoolExecutor(1) as pool:
+            assert pool.submit(run_until_stopped, answer()).result() == 42
+    finally:
+        signal.signal(signal.SIGTERM, previous)

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import importlib
 import importlib.util
 import os
 import signal
 import sys
 import tempfile
+import threading
 import warnings
 from collections.abc import Coroutine
 from pathlib import Path
@@ -309,20 +309,24 @@ def run_until_stopped(main: Coroutine[Any, Any, T]) -> T:
     SIGTERM ended the process at once: not a word, nothing listed, temporary folders left."""
     terminated = False
 
-    def terminate(task: asyncio.Task[Any] | None) -> None:
-        nonlocal terminated
-        terminated = True
-        if task is not None:
-            task.cancel()
-
     async def stoppable() -> T:
         loop, task = asyncio.get_running_loop(), asyncio.current_task()
-        with contextlib.suppress(NotImplementedError):  # (Windows' loops take no handlers)
-            loop.add_signal_handler(signal.SIGTERM, terminate, task)
+        assert task is not None  # (asyncio.run's)
+
+        def terminate(signum: int, frame: object) -> None:
+            nonlocal terminated
+            terminated = True
+            loop.call_soon_threadsafe(task.cancel)
+
+        if threading.current_thread() is not threading.main_thread():
+            return await main  # (signals reach the main thread only)
+        # signal.signal, not the loop's add_signal_handler: Windows' loops have none, and the
+        # handler the process had comes back after.
+        previous = signal.signal(signal.SIGTERM, terminate)
         try:
             return await main
         finally:
-            loop.remove_signal_handler(signal.SIGTERM)
+            signal.signal(signal.SIGTERM, previous)
 
     try:
         return asyncio.run(stoppable())
