@@ -13,9 +13,10 @@ import os
 import sys
 import threading
 import weakref
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import replace
+from types import MappingProxyType
 from typing import Any, Literal, TypedDict, Unpack
 
 import anyio
@@ -511,7 +512,7 @@ class AsyncRunner(AsyncResource):
             "saved (path_save; run again with resume=True in a new runner to play the rest)"
         )
 
-    async def _spaces(self) -> tuple[dict[str, Any], dict[str, bytes]]:
+    async def _spaces(self) -> tuple[dict[str, Any], Mapping[str, bytes]]:
         """A saving run's spaces: dicts of its own (``RunStarted.spaces``: a sink changing
         them changed the files of every later run), and the files, encoded once (10 ms for a
         large grid's four)."""
@@ -527,7 +528,7 @@ class AsyncRunner(AsyncResource):
         def read() -> dict[str, Any]:
             return {name: json.loads(data) for name, data in files.items()}
 
-        return await anyio.to_thread.run_sync(read), files
+        return await anyio.to_thread.run_sync(read), MappingProxyType(files)
 
     # --- runs ----------------------------------------------------------------------------------
 
@@ -666,7 +667,9 @@ class AsyncRunner(AsyncResource):
 
             self._check_env_open("add_detailed_output", "makes each step's observation")
             collector = DetailCollector(self._env_for, compact=add_detailed_output == "compact")
-            options = {**options, "sinks": [*options.get("sinks", ()), collector]}
+            sinks = options.get("sinks", ())
+            _check_sinks(sinks)  # (before it is spliced)
+            options = {**options, "sinks": [*sinks, collector]}
         run = await self._prepare(nb_episode, options, streaming=False)
         if collector is None:
             with unwrapped():

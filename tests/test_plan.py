@@ -32,6 +32,7 @@ NAMES = ["0000", "0001", "0002"]
         (dict(episode_id=["0000", "nope"]), ValueError, "'nope' is not a chronic"),
         (dict(episode_id=[0, 1.5j]), TypeError, "integers or chronic names"),
         (dict(episode_id=[["x", 0], 1]), TypeError, r"\(\(mix, id\) pairs are tuples\)"),
+        (dict(reset_options={"time serie id": float("inf")}), ValueError, "read with int"),
         (dict(episode_id=[0, 3]), ValueError, r"this env has 3 chronics, ids 0 to 2 \(or give"),
         (dict(episode_id=[0, -1]), ValueError, "out of range: ids start at 0"),
     ],

@@ -529,6 +529,7 @@ async def test_leaving_a_stream_early_cancels_the_run(env: Any) -> None:
             TypeError,
             r"got CallbackSink \(sinks=\[sink\]: a list of one\)",
         ),
+        (dict(nb_episode=1, sinks=None, add_detailed_output=True), TypeError, "got NoneType"),
     ],
 )
 async def test_bad_run_arguments_fail_before_any_work(

@@ -705,6 +705,12 @@ async def test_events_arrays_are_read_only(runner: AsyncRunner) -> None:
     assert [(kind, name) for kind, name, a in arrays if a.flags.writeable] == []
 
 
+def test_logging_sink_takes_an_adapter_and_a_numpy_level() -> None:
+    adapter = logging.LoggerAdapter(logging.getLogger("asyncrunner.mine"), {})
+    sink = LoggingSink(adapter, level=np.int64(logging.WARNING))  # type: ignore[arg-type]
+    assert sink.level == logging.WARNING and repr(sink).endswith("level=WARNING)")
+
+
 @pytest.mark.parametrize(
     ("sink", "kwargs", "message"),
     [
@@ -744,15 +750,21 @@ async def test_a_sink_changing_the_spaces_changes_no_saved_file(
 ) -> None:
     # RunStarted.spaces was the runner's own dicts, the writers' too: a sink changing them
     # changed the dict_*_space.json of every later run.
-    rename = CallbackSink(_rename_lines)
+    rename, record = CallbackSink(_rename_lines), Recorder()
     with anyio.fail_after(TIMEOUT):
         await runner.run(1, max_iter=2, sinks=[rename])
         await runner.run(1, max_iter=2, path_save=tmp_path / "later")
-        await runner.run(1, max_iter=2, path_save=tmp_path / "same", sinks=[rename])
+        await runner.run(
+            1, max_iter=2, path_save=tmp_path / "same", sinks=[rename, CallbackSink(record)]
+        )
     name = "dict_observation_space.json"
     expected = json.loads(json.dumps(env.observation_space.cls_to_dict()))
     for folder in ("later", "same"):
         assert json.loads((tmp_path / folder / name).read_text()) == expected
+    started = record.events[0]
+    assert isinstance(started, RunStarted)
+    with pytest.raises(TypeError):  # the files the writers write: read-only (found by review)
+        started.space_files[name] = b"{}"  # type: ignore[index]
 
 
 class PlainSend(Sink):

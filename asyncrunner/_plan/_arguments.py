@@ -230,7 +230,7 @@ def _time_serie_id(value: Any) -> int:
     those the env plays (its filter's), never a name ("0001" is the second chronic)."""
     try:
         return int(value)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         raise ValueError(
             f'`reset_options` "time serie id" is a chronic\'s position, read with int() as '
             f"grid2op's Runner does, got {value!r} (give a chronic's name in `episode_id`)"

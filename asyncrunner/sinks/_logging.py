@@ -15,6 +15,7 @@ from .._model import (
     RunFinished,
     RunStarted,
 )
+from .._plan._arguments import is_integer
 from ._base import Sink
 
 __all__ = ["LoggingSink"]
@@ -33,20 +34,22 @@ class LoggingSink(Sink):
     one_run_at_a_time = False
 
     def __init__(
-        self, logger: logging.Logger | str | None = None, level: int = logging.INFO
+        self,
+        logger: logging.Logger | logging.LoggerAdapter[Any] | str | None = None,
+        level: int = logging.INFO,
     ) -> None:
         if logger is None or isinstance(logger, str):
             logger = logging.getLogger(logger or "asyncrunner")
-        if not isinstance(logger, logging.Logger):
+        if not isinstance(logger, logging.Logger | logging.LoggerAdapter):
             raise TypeError(
-                f"LoggingSink(logger) needs a logging.Logger or its name, got {logger!r}"
+                f"LoggingSink(logger) needs a logging.Logger (or adapter) or its name, got {logger!r}"
             )
-        if isinstance(level, bool) or not isinstance(level, int):
+        if not is_integer(level):
             raise TypeError(
                 f"LoggingSink(level=) needs a logging level (logging.INFO), got {level!r}"
             )
         self.logger = logger
-        self.level = level
+        self.level = int(level)
 
     def __repr__(self) -> str:
         return f"LoggingSink(logger={self.logger.name!r}, level={logging.getLevelName(self.level)})"
