@@ -6,9 +6,11 @@ import math
 import multiprocessing
 import subprocess
 import sys
+import threading
+import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import anyio
 import numpy as np
@@ -403,3 +405,123 @@ async def test_a_worker_dying_mid_group_replays_the_group(env: Any) -> None:
     # The final attempts' steps arrive once each.
     final = [e for e in events if isinstance(e, StepBatch) and e.attempt == 2]
     assert [sum(len(e) for e in final if e.index == i) for i in (0, 1)] == [60, 60]
+
+
+class Counting:
+    """A sync agent counting how many of its calls run at once (a model with a scratch buffer
+    is not thread-safe); with ``block``, its third call waits for it (a call that hangs)."""
+
+    def __init__(self, action_space: Any, block: threading.Event | None = None) -> None:
+        self.space, self.block = action_space, block
+        self.inside = self.most = self.calls = 0
+        self.count = threading.Lock()
+
+    def act(self, observation: Any, reward: float, done: bool) -> Any:
+        with self.count:
+            self.inside += 1
+            self.calls += 1
+            self.most = max(self.most, self.inside)
+            calls = self.calls
+        try:
+            if self.block is not None and calls == 3:
+                self.block.wait(60)
+            time.sleep(0.002)
+            return self.space({})
+        finally:
+            with self.count:
+                self.inside -= 1
+
+
+async def test_a_shared_sync_agent_takes_one_call_at_a_time_across_runs(env: Any) -> None:
+    # The lock was each run's: two runs at once called it at once.
+    agent = Counting(env.action_space)
+    async with AsyncRunner(env, agent=CentralAgent(agent), workers=2) as runner:
+
+        async def play(episode: int) -> None:
+            await runner.run(1, max_iter=15, episode_id=[episode])
+
+        with anyio.fail_after(120):
+            async with anyio.create_task_group() as group:
+                for episode in (0, 1):
+                    group.start_soon(play, episode)
+    assert agent.calls == 30 and agent.most == 1
+
+
+async def test_a_hung_sync_agent_call_holds_no_timeout(env: Any) -> None:
+    # The run waited for the call's thread: a call that never returns held it for ever.
+    block = threading.Event()
+    try:
+        agent = CentralAgent(Counting(env.action_space, block))
+        async with AsyncRunner(env, agent=agent, workers=1) as runner:
+            with anyio.fail_after(30):
+                results = await runner.run(1, max_iter=10, episode_timeout=1, on_error="continue")
+            assert results[0].error is not None
+            assert results[0].error.error_type == "EpisodeTimeout"
+            with anyio.move_on_after(1) as cancelled:
+                await runner.run(1, max_iter=10)
+            assert cancelled.cancelled_caught
+    finally:
+        block.set()
+
+
+class BatchOfSteps:
+    """A batch agent doing nothing."""
+
+    def __init__(self, action_space: Any) -> None:
+        self.space = action_space
+
+    def act_batch(self, observations: Any, rewards: Any, dones: Any) -> list[Any]:
+        return [self.space({}) for _ in observations]
+
+
+async def test_a_batch_does_not_wait_for_an_episode_that_ended(env: Any, tmp_path: Path) -> None:
+    # It waited max_wait for it (for ever with max_wait=inf): the episodes in flight were
+    # counted once, as the batch began.
+    agent = CentralAgent(BatchOfSteps(env.action_space), max_wait=math.inf)
+    async with AsyncRunner(env, agent=agent, workers=2) as runner:
+        with anyio.fail_after(60):
+            results = await runner.run(
+                2, path_save=tmp_path, reset_options=[{"max step": 3}, {"max step": 30}]
+            )
+    assert [r.nb_time_step for r in results] == [3, 30]
+
+
+class ExitsOnThirdStep(DoNothingAgent):  # type: ignore[misc]
+    """Calls sys.exit() at its third step of the episode seeded with 12; notes the thread it
+    was built in (a per-episode agent loading its weights)."""
+
+    threads: ClassVar[list[str]] = []
+
+    def __init__(self, action_space: Any) -> None:
+        super().__init__(action_space)
+        ExitsOnThirdStep.threads.append(threading.current_thread().name)
+        self.steps, self.seeded = 0, 0
+
+    def seed(self, seed: Any) -> Any:
+        self.seeded = seed
+        return super().seed(seed)
+
+    def act(self, observation: Any, reward: float, done: bool = False) -> Any:
+        self.steps += 1
+        if self.seeded == 12 and self.steps == 3:
+            sys.exit("library gave up")
+        return super().act(observation, reward, done)
+
+
+async def test_a_per_episode_agent_is_built_off_the_loop_and_its_exit_fails_its_episode(
+    env: Any,
+) -> None:
+    # SystemExit ended the program (the other episode's result lost), and the agents were built
+    # on the event loop (stalling every other episode, sink and connection).
+    ExitsOnThirdStep.threads = []
+    async with AsyncRunner(env, agent=CentralAgent(ExitsOnThirdStep), workers=2) as runner:
+        with anyio.fail_after(120):
+            results = await runner.run(
+                2, max_iter=10, agent_seeds=[11, 12], on_error="continue", retries=0
+            )
+    assert [(r.nb_time_step, r.error and r.error.error_type) for r in results] == [
+        (10, None),
+        (2, "SystemExit"),
+    ]
+    assert len(ExitsOnThirdStep.threads) == 2
+    assert threading.main_thread().name not in ExitsOnThirdStep.threads

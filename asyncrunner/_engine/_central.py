@@ -18,6 +18,7 @@ import copy
 import inspect
 import numbers
 import pickle
+import threading
 import traceback
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
@@ -95,6 +96,9 @@ class CentralAgent:
         else:
             self.kind = "batch" if hasattr(agent, "act_batch") else "shared"
         self.agent = agent
+        # A shared sync agent: one call at a time, whichever runs call it (taken in the call's
+        # thread: a call abandoned by a timeout still holds it until it returns).
+        self.lock = threading.Lock()
         self.max_batch = max_batch
         self.max_wait = float(max_wait)
         self.vectors = vectors
@@ -118,6 +122,11 @@ def _ok(action: Any) -> bytes:
     return pickle.dumps(("ok", action.to_vect()), protocol=5)
 
 
+# What an agent raises fails its episode (as in a worker: ``_worker._EPISODE_ERRORS``), not the
+# run; a KeyboardInterrupt is not caught here: on the event loop it may be the user's Ctrl-C.
+_AGENT_ERRORS = (Exception, SystemExit)
+
+
 def _error(exc: BaseException) -> bytes:
     return pickle.dumps(("error", type(exc).__name__, str(exc), traceback.format_exc()), protocol=5)
 
@@ -130,13 +139,15 @@ class _Server:
         self.env_of = env_of  # the parent's env (or mix) of an episode index
         self.active: set[_Key] = set()
         self.agents: dict[_Key, Any] = {}
-        self.lock = anyio.Lock()  # a shared sync agent: one call at a time
-        self.send, self.receive = anyio.create_memory_object_stream[_Pending](float("inf"))
+        # The batch calls; None: an episode ended (a batch waiting for it leaves without it).
+        self.send, self.receive = anyio.create_memory_object_stream[_Pending | None](float("inf"))
 
     def forget(self, key: _Key) -> None:
         """The attempt ``key`` ended: it will call no more."""
         self.active.discard(key)
         self.agents.pop(key, None)
+        if self.central.kind == "batch":
+            self.send.send_nowait(None)
 
     def _observation(self, call: AgentCall) -> Any:
         if self.central.vectors:
@@ -171,47 +182,56 @@ class _Server:
                 return _ok(await agent.act(obs, call.reward, call.done))
 
             def run() -> Any:
-                return agent.act(self._observation(call), call.reward, call.done)
+                obs = self._observation(call)
+                with self.central.lock:
+                    return agent.act(obs, call.reward, call.done)
 
-            async with self.lock:
-                return _ok(await anyio.to_thread.run_sync(run))
-        except Exception as exc:
+            # Abandoned when the episode times out or the run is cancelled: a sync call
+            # cannot be interrupted, and must not hold the run.
+            return _ok(await anyio.to_thread.run_sync(run, abandon_on_cancel=True))
+        except _AGENT_ERRORS as exc:
             return _error(exc)
 
     async def _per_episode(self, key: _Key, call: AgentCall) -> Any:
-        agent = self.agents.get(key)
-        if agent is None:
-            space = copy.deepcopy(self.env_of(call.index).action_space)
-            agent = self.agents[key] = self.central.agent(space)
-        is_async = inspect.iscoroutinefunction(agent.act)
-
-        def run() -> Any:
+        def run() -> tuple[Any, Any]:
+            # Built here, off the event loop (an agent loading its weights).
+            agent = self.agents.get(key)
+            if agent is None:
+                space = copy.deepcopy(self.env_of(call.index).action_space)
+                agent = self.agents[key] = self.central.agent(space)
             obs = self._observation(call)
             if call.first:
                 if call.agent_seed is not None:
                     agent.seed(call.agent_seed)
                 agent.reset(obs)
-            return obs if is_async else agent.act(obs, call.reward, call.done)
+            if inspect.iscoroutinefunction(agent.act):
+                return agent, obs  # acts on the event loop
+            return None, agent.act(obs, call.reward, call.done)
 
-        result = await anyio.to_thread.run_sync(run)
-        return await agent.act(result, call.reward, call.done) if is_async else result
+        agent, result = await anyio.to_thread.run_sync(run, abandon_on_cancel=True)
+        return result if agent is None else await agent.act(result, call.reward, call.done)
 
     async def batches(self) -> None:
         """Form and play batches until cancelled."""
         central = self.central
         async for first in self.receive:
+            if first is None:
+                continue
             batch = [first]
-            # Wait for the episodes in flight (not longer than max_wait), then take what came.
-            limit = min(central.max_batch, len(self.active))
-            if len(batch) < limit:
-                with anyio.move_on_after(central.max_wait):
-                    while len(batch) < limit:
-                        batch.append(await self.receive.receive())
+            # Wait for the episodes in flight (not longer than max_wait), then take what came;
+            # an episode that ends meanwhile is no longer waited for.
+            with anyio.move_on_after(central.max_wait):
+                while len(batch) < min(central.max_batch, len(self.active)):
+                    pending = await self.receive.receive()
+                    if pending is not None:
+                        batch.append(pending)
             while len(batch) < central.max_batch:
                 try:
-                    batch.append(self.receive.receive_nowait())
+                    pending = self.receive.receive_nowait()
                 except anyio.WouldBlock:
                     break
+                if pending is not None:
+                    batch.append(pending)
             await self._play(batch)
 
     async def _play(self, batch: list[_Pending]) -> None:
@@ -226,21 +246,24 @@ class _Server:
                 return np.stack([c.observation for c in calls])
             return [self._observation(c) for c in calls]
 
+        def act_batch() -> Any:
+            obs = observations()
+            with central.lock:
+                return agent.act_batch(obs, rewards, dones)
+
         try:
             if inspect.iscoroutinefunction(agent.act_batch):
                 obs = await anyio.to_thread.run_sync(observations)
                 actions = await agent.act_batch(obs, rewards, dones)
             else:
-                actions = await anyio.to_thread.run_sync(
-                    lambda: agent.act_batch(observations(), rewards, dones)
-                )
+                actions = await anyio.to_thread.run_sync(act_batch, abandon_on_cancel=True)
             actions = list(actions)
             if len(actions) != len(batch):
                 raise ValueError(
                     f"act_batch returned {len(actions)} actions for {len(batch)} observations"
                 )
             replies: Sequence[bytes] = [_ok(a) for a in actions]
-        except Exception as exc:
+        except _AGENT_ERRORS as exc:
             replies = [_error(exc)] * len(batch)
         for pending, reply in zip(batch, replies, strict=True):
             pending.reply = reply
