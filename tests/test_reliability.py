@@ -818,3 +818,37 @@ async def test_a_sinks_own_cancellation_is_its_failure_not_the_runs_end(
         with anyio.fail_after(120), pytest.raises(SinkError, match=r"StepBatch: Cancel|own task"):
             await runner.run(4, max_iter=20, path_save=tmp_path, sinks=sinks)
         assert len(await runner.run(2, max_iter=3)) == 2  # the runner goes on
+
+
+class SlowSteps(DoNothingAgent):  # type: ignore[misc]  # grid2op is untyped
+    def act(self, observation: Any, reward: float, done: bool = False) -> Any:
+        time.sleep(0.05)  # a 575-step episode: about 30 s
+        return super().act(observation, reward, done)
+
+
+async def test_an_executors_episode_stops_though_a_process_forked_during_its_run(
+    env: Any, tmp_path: Any
+) -> None:
+    # Another runner's worker, forked while the run played, held a copy of the run's channel
+    # connections: cancelled, the executor's episode never saw its connection close and kept
+    # the executor's thread (blocked for good on a full socket) until that worker ended.
+    executor = ThreadPoolExecutor(1)
+    started = anyio.Event()
+    sink = CallbackSink(lambda e: started.set() if isinstance(e, EpisodeStarted) else None)
+    try:
+        other = AsyncRunner(env, agent=DoNothingAgent, workers=1)
+        async with AsyncRunner(env, agent=SlowSteps, workers=1, executor=executor) as first:
+            async with anyio.create_task_group() as group:
+                group.start_soon(lambda: first.run(1, path_save=tmp_path, sinks=[sink]))
+                with anyio.fail_after(120):
+                    await started.wait()
+                await other.__aenter__()
+                await other.run(1, max_iter=1)  # its worker is forked during the run
+                group.cancel_scope.cancel()
+        try:
+            free = executor.submit(os.getpid)
+            await anyio.to_thread.run_sync(free.result, 20)  # (TimeoutError before)
+        finally:
+            await other.aclose()
+    finally:
+        executor.shutdown(cancel_futures=True)

@@ -40,8 +40,8 @@ import struct
 import sys
 import tempfile
 import threading
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -223,6 +223,25 @@ def claim(address: str, token: str, key: str) -> bool:
     raise ChannelClosed(f"the runner's channel closed: {error or 'EOF'}")
 
 
+def _end(sock: socket.socket) -> None:
+    """Close a connection, shut down first: a process forked meanwhile (a forked pool's worker,
+    a fork-context executor's) holds a copy of it, and its worker would see it closed only once
+    that process exits; it played on, or waited for ever on a full socket."""
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass  # (closed by the other end already)
+    sock.close()
+
+
+@contextmanager
+def _ending(sock: socket.socket) -> Iterator[None]:
+    try:
+        yield
+    finally:
+        _end(sock)
+
+
 def receive_frame(sock: socket.socket) -> bytes:
     """One frame's payload from a blocking socket (``OSError`` when it closes first)."""
 
@@ -311,13 +330,13 @@ class Channel:
         sock = next(iter(self._waiting))
         del self._waiting[sock]
         anyio.notify_closing(sock)
-        sock.close()
+        _end(sock)
         return True
 
     async def _serve(self, sock: socket.socket) -> None:
         # Any error here comes from what this connection sent (or failed to send): it closes
         # this connection only. Cancellation (the run ending) is not an Exception: it goes on.
-        with sock:
+        with _ending(sock):
             try:
                 if sock.family != socket.AF_UNIX:
                     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
