@@ -852,3 +852,17 @@ async def test_an_executors_episode_stops_though_a_process_forked_during_its_run
             await other.aclose()
     finally:
         executor.shutdown(cancel_futures=True)
+
+
+async def test_an_executor_shut_down_is_named_and_no_step_is_said_lost(env: Any) -> None:
+    # A bare "cannot schedule new futures after shutdown", after "the last step received from
+    # its worker; steps played after it were not received" (none was played).
+    executor = ThreadPoolExecutor(1)
+    executor.shutdown()
+    async with AsyncRunner(env, agent=DoNothingAgent, workers=1, executor=executor) as runner:
+        with anyio.fail_after(60):
+            results = await runner.run(1, max_iter=2, on_error="continue")
+    error = results[0].error
+    assert error is not None and error.error_type == "RuntimeError"
+    assert "the executor given to AsyncRunner was shut down (executor.shutdown())" in error.message
+    assert not error.steps_lost

@@ -471,6 +471,7 @@ class Run:
         message: str,
         retrying: bool,
     ) -> None:
+        started = self._started.get(request.index)
         await channel.send.send(
             EpisodeFailed(
                 run_id=self.run_id,
@@ -481,7 +482,8 @@ class Run:
                 traceback="",
                 step=self._last_step.get((request.index, attempt), 0),
                 retrying=retrying,
-                steps_lost=True,
+                # (an attempt that never started played no step)
+                steps_lost=started is not None and started.attempt == attempt,
             )
         )
 

@@ -16,6 +16,11 @@ __all__ = ["ExecutorPool"]
 
 T = TypeVar("T")
 
+_SHUT_DOWN = (
+    "the executor given to AsyncRunner was shut down (executor.shutdown()); pass an open one, "
+    "or none (the default pool)"
+)
+
 
 class ExecutorPool(WorkerPool):
     """Calls submitted to ``executor``; it stays the caller's to shut down.
@@ -39,11 +44,20 @@ class ExecutorPool(WorkerPool):
     async def submit(self, fn: Callable[..., T], *args: Any) -> T:
         async with self.limiter:
             try:
-                future = self.executor.submit(fn, *args)
+                try:
+                    future = self.executor.submit(fn, *args)
+                except concurrent.futures.BrokenExecutor:
+                    raise  # (a RuntimeError too) told below
+                except RuntimeError as exc:  # "cannot schedule new futures after shutdown"
+                    raise RuntimeError(f"{exc}: {_SHUT_DOWN}") from exc
                 try:
                     return await anyio.to_thread.run_sync(
                         future.result, abandon_on_cancel=True, limiter=self._waits
                     )
+                except concurrent.futures.CancelledError as exc:  # (not ours: see finally)
+                    raise RuntimeError(
+                        f"the executor cancelled this episode: {_SHUT_DOWN}"
+                    ) from exc
                 finally:
                     future.cancel()
             except BrokenProcessPool as exc:
