@@ -821,7 +821,10 @@ async def test_a_sinks_own_cancellation_is_its_failure_not_the_runs_end(
 
 
 class SlowSteps(DoNothingAgent):  # type: ignore[misc]  # grid2op is untyped
+    calls = 0  # in this process (a thread executor's)
+
     def act(self, observation: Any, reward: float, done: bool = False) -> Any:
+        SlowSteps.calls += 1
         time.sleep(0.05)  # a 575-step episode: about 30 s
         return super().act(observation, reward, done)
 
@@ -866,3 +869,18 @@ async def test_an_executor_shut_down_is_named_and_no_step_is_said_lost(env: Any)
     assert error is not None and error.error_type == "RuntimeError"
     assert "the executor given to AsyncRunner was shut down (executor.shutdown())" in error.message
     assert not error.steps_lost
+
+
+async def test_an_executors_timed_out_episode_stops_at_its_next_batch(env: Any) -> None:
+    # Future.cancel() cannot stop a running call: the episode played to its end (575 steps,
+    # 30 s here), holding the executor's worker, the next episode waiting behind it.
+    executor = ThreadPoolExecutor(1)
+    SlowSteps.calls = 0
+    try:
+        async with AsyncRunner(env, agent=SlowSteps, workers=1, executor=executor) as runner:
+            with anyio.fail_after(180):
+                results = await runner.run(2, episode_timeout=0.5, on_error="continue")
+        assert [r.error.error_type if r.error else None for r in results] == ["EpisodeTimeout"] * 2
+        assert SlowSteps.calls < 575  # the first one stopped before the second began
+    finally:
+        executor.shutdown(cancel_futures=True)

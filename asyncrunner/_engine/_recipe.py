@@ -78,6 +78,14 @@ class EpisodeJob:
     stages: Mapping[str, str] = field(default_factory=dict)  # where to write them, by format
     agent: str | None = None  # the run's agent, recorded with the saved episodes
     mix: str | None = None
+    # Claim the attempt on the channel before playing it (``_channel.claim``): the run can then
+    # drop the connection playing it (``Channel.drop``), which stops it at its next batch of
+    # steps where the call itself cannot be stopped (an executor's, a Dask task's).
+    claim: bool = False
+
+    @property
+    def claim_key(self) -> str:
+        return f"{self.run_id}/{self.index}/{self.attempt}"
 
 
 def _grid_class(name: str, base: type, attributes: dict[str, Any]) -> type:

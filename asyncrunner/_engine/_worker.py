@@ -151,6 +151,8 @@ def run_episode(job: EpisodeJob, slot: int = 0, slots: int = 1) -> str:
     a broken channel raises.
     """
     send = _channel.connect(job.address, job.token)
+    if job.claim:
+        _channel.claim(job.address, job.token, job.claim_key)
     key = None
     step = 0
     try:

@@ -72,13 +72,9 @@ def _check_client(client: Any) -> None:
 
 def _dask_episode(job: EpisodeJob) -> str:
     """Runs on a Dask worker: play ``job`` unless another execution already claimed it."""
-    if not _channel.claim(job.address, job.token, _claim_key(job)):
+    if not _channel.claim(job.address, job.token, job.claim_key):
         return _LOST
     return run_episode(job)
-
-
-def _claim_key(job: EpisodeJob) -> str:
-    return f"{job.run_id}/{job.index}/{job.attempt}"
 
 
 def _is_loopback(host: str) -> bool:
@@ -301,8 +297,8 @@ class DaskExecutor:
     async def play(self, job: EpisodeJob) -> None:
         """Play one episode as a task, claimed, stopped and retried as above."""
         key = f"asyncrunner-{job.run_id}-{job.index}-{job.attempt}"
-        claim = _claim_key(job)
-        if await self._run(_dask_episode, (job,), key, claim=(job.address, claim)) == _LOST:
+        claim = (job.address, job.claim_key)
+        if await self._run(_dask_episode, (job,), key, claim=claim) == _LOST:
             raise WorkerLost("the Dask worker playing this episode died")
 
     async def _run(

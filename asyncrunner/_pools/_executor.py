@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import concurrent.futures
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures.process import BrokenProcessPool
+from dataclasses import replace
 from typing import Any, TypeVar
 
 import anyio
 import anyio.to_thread
 
+from .._engine import _channel
 from .._engine._pool import WorkerPool
+from .._engine._recipe import EpisodeJob
 
 __all__ = ["ExecutorPool"]
 
@@ -67,6 +70,21 @@ class ExecutorPool(WorkerPool):
                     "replayed on it. Pass a new executor, or none (the default pool replaces a "
                     "dead worker and replays its episode, as Dask does)"
                 ) from exc
+
+    async def submit_episodes(self, jobs: Sequence[EpisodeJob]) -> None:
+        """Each attempt claimed: stopped (its episode timed out, the run ended), its connection
+        is dropped and its worker stops at its next batch of steps (``Future.cancel`` cannot
+        stop a running call: it played on, holding the executor's worker, the next episode
+        waiting behind it)."""
+        claimed = [replace(job, claim=True) for job in jobs]
+        try:
+            await super().submit_episodes(claimed)
+        except BaseException:
+            channel = _channel.listening(jobs[0].address)
+            if channel is not None:
+                for job in claimed:
+                    channel.drop(job.claim_key)
+            raise
 
     async def stop(self) -> None:
         return None  # the caller's executor: theirs to shut down
