@@ -525,3 +525,29 @@ async def test_a_per_episode_agent_is_built_off_the_loop_and_its_exit_fails_its_
     ]
     assert len(ExitsOnThirdStep.threads) == 2
     assert threading.main_thread().name not in ExitsOnThirdStep.threads
+
+
+async def test_calls_waiting_for_a_shared_agent_hold_no_thread_of_the_default_pool(
+    env: Any,
+) -> None:
+    # They waited for its lock in threads of anyio's default pool, which the sinks and the
+    # runner need: one hung call starved them all (found by review).
+    block = threading.Event()
+    limiter = anyio.to_thread.current_default_thread_limiter()
+    tokens, limiter.total_tokens = limiter.total_tokens, 3  # (40: as many episodes at once)
+    agent = Counting(env.action_space, block)
+    try:
+        central = CentralAgent(agent, envs_per_worker=4)
+        async with AsyncRunner(env, agent=central, workers=1) as runner:
+            async with anyio.create_task_group() as group:
+                group.start_soon(lambda: runner.run(4, max_iter=10))
+                with anyio.fail_after(60):
+                    while agent.calls < 3:  # noqa: ASYNC110 - the agent runs in a thread
+                        await anyio.sleep(0.05)
+                await anyio.sleep(1)  # the other episodes' calls wait for the agent
+                with anyio.fail_after(10):
+                    await anyio.to_thread.run_sync(time.sleep, 0)  # (it waited for ever)
+                block.set()
+    finally:
+        block.set()
+        limiter.total_tokens = tokens

@@ -884,3 +884,30 @@ async def test_an_executors_timed_out_episode_stops_at_its_next_batch(env: Any) 
         assert SlowSteps.calls < 575  # the first one stopped before the second began
     finally:
         executor.shutdown(cancel_futures=True)
+
+
+async def test_an_executor_threads_next_episode_plays_after_its_last_was_dropped(
+    env: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Episode 0's call still cleaning up when its timeout fired: its connection was dropped.
+    # Episode 1, next on that thread, claimed on a new connection but sent on the closed one
+    # ("Bad file descriptor": failed as a lost worker; found by review).
+    from asyncrunner._engine import _worker
+
+    discard = _envs.discard
+
+    def slow_discard(key: Any) -> Any:
+        time.sleep(1.5)  # a slow env close after the episode's last event was sent
+        return discard(key)
+
+    monkeypatch.setattr(_worker, "discard", slow_discard)
+    executor = ThreadPoolExecutor(1)
+    try:
+        async with AsyncRunner(env, agent=DoNothingAgent, workers=1, executor=executor) as runner:
+            with anyio.fail_after(120):
+                results = await runner.run(
+                    2, max_iter=5, episode_timeout=1.0, on_error="continue", retries=0
+                )
+        assert [(r.nb_time_step, r.error) for r in results] == [(5, None), (5, None)]
+    finally:
+        executor.shutdown(cancel_futures=True)

@@ -567,6 +567,30 @@ async def test_a_sink_that_never_closes_holds_a_stopped_run_only_its_grace(
     assert ClosesSlowly.closed
 
 
+class WantsTheEnd(Sink):
+    """Fails to close when it was not given the run's end (a report it cannot complete)."""
+
+    def __init__(self) -> None:
+        self.ended = False
+
+    async def send(self, event: Event) -> None:
+        self.ended = self.ended or isinstance(event, RunFinished)
+
+    async def aclose(self) -> None:
+        if not self.ended:
+            raise RuntimeError("closed before RunFinished")
+
+
+async def test_a_sink_failing_to_close_on_the_callers_cancellation_is_told_on_it(
+    runner: AsyncRunner,
+) -> None:
+    # The caller's cancellation became that SinkError (found by review): move_on_after let it
+    # out instead of absorbing its own cancellation.
+    with anyio.move_on_after(0.3) as scope:
+        await runner.run(2, sinks=[WantsTheEnd()])  # (575 steps each: far longer)
+    assert scope.cancelled_caught
+
+
 class ClosesSlowly(Stuck):
     """Stuck on its first episode end (cancelled once the run's grace is over), then takes a
     little time to close."""

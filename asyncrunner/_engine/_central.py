@@ -139,12 +139,17 @@ class _Server:
         self.env_of = env_of  # the parent's env (or mix) of an episode index
         self.active: set[_Key] = set()
         self.agents: dict[_Key, Any] = {}
+        self.ended: set[_Key] = set()  # attempts that will call no more
+        # This run's calls of a shared sync agent wait for its lock in one thread at most, not
+        # in threads of anyio's default pool (which the sinks and the runner need).
+        self.calls = anyio.CapacityLimiter(1)
         # The batch calls; None: an episode ended (a batch waiting for it leaves without it).
         self.send, self.receive = anyio.create_memory_object_stream[_Pending | None](float("inf"))
 
     def forget(self, key: _Key) -> None:
         """The attempt ``key`` ended: it will call no more."""
         self.active.discard(key)
+        self.ended.add(key)
         self.agents.pop(key, None)
         if self.central.kind == "batch":
             self.send.send_nowait(None)
@@ -166,6 +171,8 @@ class _Server:
 
     async def act(self, call: AgentCall) -> bytes:
         key = (call.index, call.attempt)
+        if key in self.ended:  # a frame left from an attempt that ended: nobody waits for it
+            return _error(RuntimeError("this episode attempt has ended"))
         self.active.add(key)
         try:
             kind = self.central.kind
@@ -188,7 +195,9 @@ class _Server:
 
             # Abandoned when the episode times out or the run is cancelled: a sync call
             # cannot be interrupted, and must not hold the run.
-            return _ok(await anyio.to_thread.run_sync(run, abandon_on_cancel=True))
+            return _ok(
+                await anyio.to_thread.run_sync(run, abandon_on_cancel=True, limiter=self.calls)
+            )
         except _AGENT_ERRORS as exc:
             return _error(exc)
 
@@ -198,7 +207,9 @@ class _Server:
             agent = self.agents.get(key)
             if agent is None:
                 space = copy.deepcopy(self.env_of(call.index).action_space)
-                agent = self.agents[key] = self.central.agent(space)
+                agent = self.central.agent(space)
+                if key not in self.ended:  # (a build its episode's timeout abandoned)
+                    self.agents[key] = agent
             obs = self._observation(call)
             if call.first:
                 if call.agent_seed is not None:
@@ -256,7 +267,9 @@ class _Server:
                 obs = await anyio.to_thread.run_sync(observations)
                 actions = await agent.act_batch(obs, rewards, dones)
             else:
-                actions = await anyio.to_thread.run_sync(act_batch, abandon_on_cancel=True)
+                actions = await anyio.to_thread.run_sync(
+                    act_batch, abandon_on_cancel=True, limiter=self.calls
+                )
             actions = list(actions)
             if len(actions) != len(batch):
                 raise ValueError(

@@ -632,6 +632,7 @@ async def _consume(
     """Hand ``sink`` its events, then close it. Its failure is added to ``errors`` and stops
     the run (``stop``); the events still coming are then dropped, so that the run never waits
     for it."""
+    first: BaseException | None = None  # the caller's cancellation, if it came here
     failed: SinkError | None = None
     try:
         async with receive:
@@ -659,10 +660,14 @@ async def _consume(
                     failed = _sink_error(sink, f"failed on {type(event).__name__}", exc)
                     errors.append(failed)
                     stop()
+    except BaseException as exc:
+        if not errors:  # (after a sink's failure, it is the run's own stop)
+            first = exc
+        raise
     finally:
         closing = await _close(sink, closes)
-        # A close cut short by the caller's cancellation is told on it, not instead of it.
-        told = failed or closes.stopped_by
+        # A close failing on the caller's cancellation is told on it, not instead of it.
+        told = failed or first or closes.stopped_by
         if closing is not None:
             if told is None:
                 errors.append(_sink_error(sink, "failed closing (aclose)", closing))

@@ -150,9 +150,9 @@ def run_episode(job: EpisodeJob, slot: int = 0, slots: int = 1) -> str:
     Exceptions of the agent or the env become an ``EpisodeFailed`` event (``_EPISODE_ERRORS``);
     a broken channel raises.
     """
-    send = _channel.connect(job.address, job.token)
-    if job.claim:
+    if job.claim:  # (first: a claim may open a new connection, which ``send`` must use)
         _channel.claim(job.address, job.token, job.claim_key)
+    send = _channel.connect(job.address, job.token)
     key = None
     step = 0
     try:
