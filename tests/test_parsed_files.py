@@ -11,6 +11,7 @@ import tempfile
 import threading
 import time
 import warnings
+from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -452,6 +453,9 @@ def test_a_worker_forked_while_a_thread_first_uses_tempfile_does_not_wait_for_it
     it with ``tempfile.mkstemp``, which must not wait for the lock that thread held (it waited
     forever: a README command hung in CI)."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # nothing parsed yet: written anew
+    # nor in this process's memory (a test before, playing in its threads, filled it)
+    monkeypatch.setattr(_parsed, "_parsed", OrderedDict())
+    monkeypatch.setattr(_parsed, "_size", 0)
     env = make_env()
     # A process that has not used tempfile yet: its first use takes tempfile's lock.
     monkeypatch.setattr(tempfile, "tempdir", None)
