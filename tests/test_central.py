@@ -123,8 +123,11 @@ class FailsOnSeedAgent(BaseAgent):  # type: ignore[misc]
     def act(self, observation: Any, reward: float, done: bool = False) -> Any:
         self.steps += 1
         if self.fail and self.steps == 3:
-            raise ValueError("agent gave up")
+            self.give_up()
         return self.action_space({})
+
+    def give_up(self) -> None:
+        raise ValueError("agent gave up")
 
 
 async def play(
@@ -486,26 +489,18 @@ async def test_a_batch_does_not_wait_for_an_episode_that_ended(env: Any, tmp_pat
     assert [r.nb_time_step for r in results] == [3, 30]
 
 
-class ExitsOnThirdStep(DoNothingAgent):  # type: ignore[misc]
-    """Calls sys.exit() at its third step of the episode seeded with 12; notes the thread it
-    was built in (a per-episode agent loading its weights)."""
+class ExitsOnThirdStep(FailsOnSeedAgent):
+    """Calls sys.exit() where FailsOnSeedAgent raises; notes the thread it was built in (a
+    per-episode agent loading its weights)."""
 
     threads: ClassVar[list[str]] = []
 
     def __init__(self, action_space: Any) -> None:
         super().__init__(action_space)
         ExitsOnThirdStep.threads.append(threading.current_thread().name)
-        self.steps, self.seeded = 0, 0
 
-    def seed(self, seed: Any) -> Any:
-        self.seeded = seed
-        return super().seed(seed)
-
-    def act(self, observation: Any, reward: float, done: bool = False) -> Any:
-        self.steps += 1
-        if self.seeded == 12 and self.steps == 3:
-            sys.exit("library gave up")
-        return super().act(observation, reward, done)
+    def give_up(self) -> None:
+        sys.exit("library gave up")
 
 
 async def test_a_per_episode_agent_is_built_off_the_loop_and_its_exit_fails_its_episode(
