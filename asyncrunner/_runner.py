@@ -820,7 +820,19 @@ async def _detailed(results: list[EpisodeResult], data: dict[int, Any]) -> list[
     }
     if saved:
         data = {**data, **await anyio.to_thread.run_sync(_from_disk, saved)}
-    return [replace(r, episode_data=data.get(r.index, r.episode_data)) for r in results]
+    return [
+        replace(r, episode_data=_located(r, data.get(r.index, r.episode_data))) for r in results
+    ]
+
+
+def _located(result: EpisodeResult, data: Any) -> Any:
+    """An ``EpisodeData`` of a saved episode, pointing at its folder as grid2op's does after a
+    run with ``path_save`` (``agent_path``, ``episode_path``, ``serialize``)."""
+    if result.path is not None and data is not None and not hasattr(data, "exp_dir"):
+        data.agent_path = os.path.dirname(result.path)
+        data.episode_path = result.path
+        data.serialize = True
+    return data
 
 
 def _from_disk(paths: dict[int, str]) -> dict[int, Any]:

@@ -1,5 +1,6 @@
 """An async agent that asks a policy service over HTTP, played from the orchestrator.
 
+    pip install -e ".[lightsim,web]"    # httpx
     python examples/async_http_agent.py [--episodes 8] [--max-iter 50] [--delay 0.02]
 
 The script starts a tiny policy service on 127.0.0.1 (stdlib ``http.server`` in a thread; each

@@ -619,3 +619,34 @@ async def test_resumed_episodes_come_with_their_episode_data(
             )
         np.testing.assert_array_equal(after.episode_data.rewards, before.episode_data.rewards)
     assert resumed[2].episode_data is not None  # played now
+    # Each one points at its folder, as grid2op's after a run with path_save: code written for
+    # grid2op reads it back with EpisodeData.from_disk(data.agent_path, data.name).
+    for result in resumed:
+        data = result.episode_data
+        assert (data.agent_path, data.episode_path, data.serialize) == (
+            str(tmp_path),
+            result.path,
+            True,
+        )
+        assert len(EpisodeData.from_disk(data.agent_path, data.name)) == len(data)
+
+
+async def test_episode_data_points_at_its_folder_as_grid2ops(
+    case14: dict[str, Any], tmp_path: Path
+) -> None:
+    kwargs: dict[str, Any] = dict(nb_episode=1, env_seeds=[3], agent_seeds=[5], max_iter=4)
+    theirs = Runner(**case14["env"].get_params_for_runner(), agentClass=RandomAgent).run(
+        path_save=tmp_path / "grid2op", add_detailed_output=True, **kwargs
+    )[0][-1]
+    async with AsyncRunner(case14["env"], agent=RandomAgent, workers=1) as runner:
+        ours = (await runner.run(path_save=tmp_path / "ours", add_detailed_output=True, **kwargs))[
+            0
+        ].episode_data
+        unsaved = (await runner.run(add_detailed_output=True, **kwargs))[0].episode_data
+    for data, folder in ((theirs, "grid2op"), (ours, "ours")):
+        assert (data.agent_path, data.episode_path, data.serialize) == (
+            str(tmp_path / folder),
+            str(tmp_path / folder / data.name),
+            True,
+        )
+    assert not unsaved.serialize and not hasattr(unsaved, "episode_path")  # as grid2op's

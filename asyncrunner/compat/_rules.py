@@ -235,16 +235,11 @@ def env_seed(seed: Any) -> Any:
 
 
 def located(result: EpisodeResult, path_save: str | os.PathLike[str] | None) -> Any:
-    """The episode's data object, pointing at where it was saved (as grid2op's does)."""
+    """The episode's data object, pointing at where it was saved (as grid2op's does; an
+    ``EpisodeData``'s folder is set by ``AsyncRunner.run``)."""
     data = result.episode_data
-    if data is None or path_save is None:
-        return data
-    if hasattr(data, "exp_dir"):  # CompactEpisodeData
-        data.exp_dir = Path(path_save) / "CompactEpisodeData"
-    elif result.path is not None:
-        data.agent_path = os.path.abspath(os.fspath(path_save))
-        data.episode_path = result.path
-        data.serialize = True
+    if data is not None and path_save is not None and hasattr(data, "exp_dir"):
+        data.exp_dir = Path(path_save) / "CompactEpisodeData"  # CompactEpisodeData
     return data
 
 
