@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import math
 import multiprocessing
 import subprocess
@@ -520,6 +521,43 @@ async def test_a_per_episode_agent_is_built_off_the_loop_and_its_exit_fails_its_
     ]
     assert len(ExitsOnThirdStep.threads) == 2
     assert threading.main_thread().name not in ExitsOnThirdStep.threads
+
+
+class CancelsOnThirdCall(BaseAgent):  # type: ignore[misc]  # grid2op is untyped
+    """Its third act raises a CancelledError of its own (its asyncio client's)."""
+
+    def __init__(self, action_space: Any) -> None:
+        super().__init__(action_space)
+        self.calls = 0
+
+    def act(self, observation: Any, reward: float, done: bool = False) -> Any:
+        self.calls += 1
+        if self.calls == 3:
+            raise asyncio.CancelledError("the agent's own")
+        return self.action_space({})
+
+
+class BatchCancelsOnThirdCall(CancelsOnThirdCall):
+    def act_batch(self, observations: Any, rewards: Any, dones: Any) -> list[Any]:
+        return [self.act(o, r) for o, r in zip(observations, rewards, strict=True)]
+
+
+@pytest.mark.parametrize("kind", ["shared", "per_episode", "batch"])
+async def test_a_cancelled_error_of_a_sync_agent_fails_its_episodes(env: Any, kind: str) -> None:
+    # Raised out of its thread, it looked like the cancellation of the run's task: the run
+    # returned without the episodes it failed.
+    agent = {
+        "shared": lambda: CancelsOnThirdCall(env.action_space),
+        "per_episode": lambda: CancelsOnThirdCall,
+        "batch": lambda: BatchCancelsOnThirdCall(env.action_space),
+    }[kind]()
+    async with AsyncRunner(env, agent=CentralAgent(agent), workers=2) as runner:
+        with anyio.fail_after(120):
+            results = await runner.run(2, max_iter=5, on_error="continue", retries=0)
+    assert len(results) == 2
+    errors = [r.error.error_type for r in results if r.error is not None]
+    assert errors and set(errors) == {"CancelledError"}
+    assert all("the agent's own" in r.error.traceback for r in results if r.error is not None)
 
 
 async def test_calls_waiting_for_a_shared_agent_hold_no_thread_of_the_default_pool(

@@ -769,3 +769,40 @@ def test_runners_of_two_threads_fork_workers_that_start_sound(tmp_path: Path) ->
     done = run_script(script)
     assert done.returncode == 0 and done.stdout.strip() == "done 2", done.stderr[-3000:]
     assert "Exception ignored" not in done.stderr, done.stderr[-3000:]
+
+
+MAIN_ERROR_SCRIPT = """
+import warnings
+warnings.simplefilter("ignore")
+from grid2op.Agent import BaseAgent
+from asyncrunner.compat import Runner
+from tests.conftest import make_env
+
+
+class PolicyError(Exception):
+    pass
+
+
+class Fails(BaseAgent):
+    def act(self, obs, reward, done=False):
+        raise PolicyError("no action")
+
+
+env = make_env()
+for nb_process in (1, 2):
+    try:
+        Runner(**env.get_params_for_runner(), agentClass=Fails).run(
+            nb_episode=2, nb_process=nb_process, max_iter=3
+        )
+    except PolicyError:
+        print("caught", nb_process)
+"""
+
+
+def test_an_exception_class_of_the_script_is_caught_by_its_except(tmp_path: Path) -> None:
+    # grid2op's Runner raises the script's class; compat raised a copy of it (by value), which
+    # `except PolicyError` did not catch.
+    script = tmp_path / "evaluate.py"
+    script.write_text(MAIN_ERROR_SCRIPT)
+    done = run_script(script)
+    assert done.stdout.split("\n")[:2] == ["caught 1", "caught 2"], done.stderr[-3000:]

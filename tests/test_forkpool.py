@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import ctypes
 import ctypes.util
 import gc
+import multiprocessing
 import os
 import signal
 import threading
@@ -30,6 +32,18 @@ def pid_plus(value: int) -> tuple[int, int]:
 
 def fails() -> None:
     raise KeyError("from the worker")
+
+
+def cancelled() -> None:
+    raise asyncio.CancelledError("the called code's own")
+
+
+def has_a_child() -> int | None:
+    """A process of its own (an agent's multiprocessing pool): daemonic processes may not."""
+    child = multiprocessing.get_context("fork").Process(target=time.sleep, args=(0,))
+    child.start()
+    child.join()
+    return child.exitcode
 
 
 def unpicklable() -> Any:
@@ -129,6 +143,10 @@ async def test_an_error_comes_back_and_the_worker_stays() -> None:
         await pool.call(fails)
     with pytest.raises(RuntimeError, match="cannot be sent"):
         await pool.call(unpicklable)
+    # Raised here, a CancelledError would look like the cancellation of the caller's task.
+    with pytest.raises(RuntimeError, match="raised CancelledError: the called code's own"):
+        await pool.call(cancelled)
+    assert await pool.call(has_a_child) == 0
     assert (await pool.call(pid_plus, 0))[0] == pid
     await pool.aclose()
 

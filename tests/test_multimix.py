@@ -11,6 +11,7 @@ import pytest
 from grid2op.Episode import EpisodeData
 from grid2op.Runner import Runner as GridRunner
 
+import asyncrunner
 from asyncrunner import AsyncRunner, compat
 from asyncrunner.sinks import _writer
 
@@ -117,6 +118,18 @@ async def test_bad_multimix_episode_ids_fail_before_any_work(
         await runner.run(len(episode_id), episode_id=episode_id)
     assert runner._pids == set()  # no worker was started
     await runner.aclose()
+
+
+@pytest.mark.anyio
+async def test_a_score_of_a_multimix_env_says_to_score_each_mix(
+    multimix: Any, tmp_path: Path
+) -> None:
+    """grid2op's score classes raised a RuntimeError (the CLI printed its traceback)."""
+    with pytest.raises(ValueError, match=r"score each mix as an env of its own.*[/\\]x1\)"):
+        await asyncrunner.score(
+            multimix, SampleAgent, competition="l2rpn_2020", cache_dir=tmp_path / "cache"
+        )
+    assert not (tmp_path / "cache").exists()
 
 
 @pytest.mark.anyio

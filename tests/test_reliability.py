@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import gc
 import json
 import multiprocessing
@@ -14,7 +15,7 @@ import subprocess
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
-from typing import Any
+from typing import Any, ClassVar
 
 import anyio
 import pytest
@@ -115,23 +116,93 @@ class Exits(BaseAgent):  # type: ignore[misc]  # grid2op is untyped
 class Interrupts(BaseAgent):  # type: ignore[misc]  # grid2op is untyped
     """Raises ``KeyboardInterrupt`` at step 3 (code that does; workers ignore Ctrl-C itself)."""
 
+    RAISES: ClassVar[type[BaseException]] = KeyboardInterrupt
+
     def act(self, observation: Any, reward: float, done: bool = False) -> Any:
         if observation.current_step == 2:
-            raise KeyboardInterrupt("solver: license not found")
+            raise self.RAISES("solver: license not found")
         return self.action_space({})
 
 
-@pytest.mark.parametrize("agent", [Exits, Interrupts])
+class Cancels(Interrupts):
+    """Raises ``asyncio.CancelledError`` (leaked by the agent's own asyncio client)."""
+
+    RAISES = asyncio.CancelledError
+
+
+class Abort(BaseException):
+    """A library's own ``BaseException`` (as pytest's ``fail``)."""
+
+
+class Aborts(Interrupts):
+    RAISES = Abort
+
+
+@pytest.mark.parametrize("agent", [Exits, Interrupts, Cancels, Aborts])
 async def test_an_agent_exiting_fails_its_episode_only(env: Any, agent: Any) -> None:
-    """Sent back to this process, a SystemExit ended (and under asyncio, hung) the caller."""
+    """Sent back to this process, a SystemExit ended (and under asyncio, hung) the caller; a
+    CancelledError looked like the cancellation of the run's task: its episode had no result;
+    another BaseException ended the run, on_error="continue" or not."""
     async with AsyncRunner(env, agent=agent, workers=2) as runner:
         with anyio.fail_after(120):
             results = await runner.run(2, max_iter=5, on_error="continue")
+            with pytest.raises(EpisodeError, match="failed after 2 steps"):
+                await runner.run(2, max_iter=5)
         assert [r.nb_time_step for r in await runner.run(1, max_iter=2)] == [2]  # it goes on
+    assert len(results) == 2
     for result in results:
         error = result.error
-        assert error is not None and error.error_type in ("SystemExit", "KeyboardInterrupt")
+        assert error is not None
+        assert error.error_type == getattr(agent, "RAISES", SystemExit).__name__
         assert error.message == "solver: license not found" and error.step == 2
+
+
+@dataclasses.dataclass(frozen=True)
+class FrozenError(Exception):
+    """An exception that takes no new attribute."""
+
+    code: int
+
+
+class StrFails(Exception):
+    def __str__(self) -> str:
+        raise KeyError("reason")
+
+
+class FailsOddly(BaseAgent):  # type: ignore[misc]  # grid2op is untyped
+    """Raises at step 3 an exception made by ``make``."""
+
+    make: ClassVar[Any] = FrozenError
+
+    def act(self, observation: Any, reward: float, done: bool = False) -> Any:
+        if observation.current_step == 2:
+            raise type(self).make(7)
+        return self.action_space({})
+
+
+class FailsWithBadStr(FailsOddly):
+    make = StrFails
+
+
+@pytest.mark.parametrize(
+    ("agent", "message"),
+    [(FailsOddly, "7"), (FailsWithBadStr, "<exception str() failed>")],
+)
+async def test_an_odd_exception_is_reported_as_raised(env: Any, agent: Any, message: str) -> None:
+    """A frozen exception was reported as asyncrunner's FrozenInstanceError (the worker set an
+    attribute on it); one whose ``__str__`` fails, as a worker's death at step 0 without its
+    traceback."""
+    async with AsyncRunner(env, agent=agent, workers=1) as runner:
+        (result,) = await runner.run(1, max_iter=5, on_error="continue")
+    error = result.error
+    assert error is not None
+    assert (error.error_type, error.message, error.step, error.steps_lost) == (
+        agent.make.__name__,
+        message,
+        2,
+        False,
+    )
+    assert "in act" in error.traceback
 
 
 async def test_agent_error_raise_carries_finished_results(env: Any, tmp_path: Any) -> None:

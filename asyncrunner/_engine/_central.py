@@ -22,13 +22,15 @@ import threading
 import traceback
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Any, TypeVar
 
 import anyio
 import numpy as np
 
 from .._plan._arguments import at_least
 from ._channel import AgentCall, Channel
+
+T = TypeVar("T")
 
 __all__ = ["CentralAgent", "is_async_agent", "serving"]
 
@@ -128,7 +130,35 @@ _AGENT_ERRORS = (Exception, SystemExit)
 
 
 def _error(exc: BaseException) -> bytes:
-    return pickle.dumps(("error", type(exc).__name__, str(exc), traceback.format_exc()), protocol=5)
+    if isinstance(exc, _Raised):
+        raised, tb = exc.raised, exc.tb
+    else:
+        raised, tb = exc, traceback.format_exc()
+    return pickle.dumps(("error", type(raised).__name__, str(raised), tb), protocol=5)
+
+
+class _Raised(Exception):
+    """What an agent's sync call raised that is no ``Exception`` (a ``CancelledError`` of its
+    own asyncio code...), carried out of its thread: raised as it is, it would look like the
+    cancellation of the run's task, or end the run."""
+
+    def __init__(self, raised: BaseException, tb: str) -> None:
+        super().__init__(raised)
+        self.raised, self.tb = raised, tb
+
+
+def _carried(fn: Callable[[], T]) -> Callable[[], T]:
+    """``fn``, to run in a thread, raising ``_Raised`` for what is no ``Exception``."""
+
+    def run() -> T:
+        try:
+            return fn()
+        except Exception:
+            raise
+        except BaseException as exc:
+            raise _Raised(exc, traceback.format_exc()) from None
+
+    return run
 
 
 class _Server:
@@ -196,7 +226,9 @@ class _Server:
             # Abandoned when the episode times out or the run is cancelled: a sync call
             # cannot be interrupted, and must not hold the run.
             return _ok(
-                await anyio.to_thread.run_sync(run, abandon_on_cancel=True, limiter=self.calls)
+                await anyio.to_thread.run_sync(
+                    _carried(run), abandon_on_cancel=True, limiter=self.calls
+                )
             )
         except _AGENT_ERRORS as exc:
             return _error(exc)
@@ -219,7 +251,7 @@ class _Server:
                 return agent, obs  # acts on the event loop
             return None, agent.act(obs, call.reward, call.done)
 
-        agent, result = await anyio.to_thread.run_sync(run, abandon_on_cancel=True)
+        agent, result = await anyio.to_thread.run_sync(_carried(run), abandon_on_cancel=True)
         return result if agent is None else await agent.act(result, call.reward, call.done)
 
     async def batches(self) -> None:
@@ -268,7 +300,7 @@ class _Server:
                 actions = await agent.act_batch(obs, rewards, dones)
             else:
                 actions = await anyio.to_thread.run_sync(
-                    act_batch, abandon_on_cancel=True, limiter=self.calls
+                    _carried(act_batch), abandon_on_cancel=True, limiter=self.calls
                 )
             actions = list(actions)
             if len(actions) != len(batch):

@@ -15,6 +15,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import os
+import pickle
 import time
 import traceback
 from concurrent.futures import ThreadPoolExecutor  # imported before any fork (see _layout)
@@ -138,10 +139,11 @@ def run_episodes(jobs: list[EpisodeJob]) -> list[str]:
         return [f.result() for f in futures]
 
 
-# What fails an episode: its code's exceptions, and a ``sys.exit`` or ``KeyboardInterrupt`` raised
-# by that code (a library giving up; a worker ignores Ctrl-C, the parent stops the run): sent back
-# to the caller, they would end its program, not the episode.
-_EPISODE_ERRORS = (Exception, SystemExit, KeyboardInterrupt)
+# What fails an episode: anything its code raises, a ``sys.exit``, ``KeyboardInterrupt``,
+# ``asyncio.CancelledError`` or a library's own ``BaseException`` too (a worker ignores Ctrl-C,
+# the parent stops the run): sent back to the caller, they would end its program or look like the
+# cancellation of its dispatching task, not fail the episode.
+_EPISODE_ERRORS = BaseException
 
 
 def run_episode(job: EpisodeJob, slot: int = 0, slots: int = 1) -> str:
@@ -154,7 +156,7 @@ def run_episode(job: EpisodeJob, slot: int = 0, slots: int = 1) -> str:
         _channel.claim(job.address, job.token, job.claim_key)
     send = _channel.connect(job.address, job.token)
     key = None
-    step = 0
+    progress = [0]  # steps played, set by ``_play`` as it ends (the user's exception untouched)
     try:
         # A recipe this worker cannot load or build (a package missing or of another version, an
         # env folder it cannot see) fails the episode with its traceback, like the agent's errors.
@@ -164,7 +166,7 @@ def run_episode(job: EpisodeJob, slot: int = 0, slots: int = 1) -> str:
             slot,
             slots,
         )
-        step = _play(job, cached, send)
+        _play(job, cached, send, progress)
     except _channel.ChannelClosed:
         raise
     except _EPISODE_ERRORS as exc:
@@ -173,9 +175,9 @@ def run_episode(job: EpisodeJob, slot: int = 0, slots: int = 1) -> str:
             index=job.index,
             attempt=job.attempt,
             error_type=getattr(exc, "_ar_type", type(exc).__name__),
-            message=str(exc),
+            message=_text(exc),
             traceback=getattr(exc, "_ar_traceback", None) or traceback.format_exc(),
-            step=getattr(exc, "_ar_step", step),
+            step=progress[0],
             exception=_pickled(exc) if job.exceptions else None,
         )
         send(failure)
@@ -186,17 +188,17 @@ def run_episode(job: EpisodeJob, slot: int = 0, slots: int = 1) -> str:
     return "finished"
 
 
-def _play(job: EpisodeJob, cached: _Cached, send: Any) -> int:
+def _play(job: EpisodeJob, cached: _Cached, send: Any, progress: list[int]) -> None:
     with exclusive():
         env = cached.episode_env()
     try:
-        return _play_on(job, env, cached, send)
+        _play_on(job, env, cached, send, progress)
     finally:
         with exclusive():
             env.close()
 
 
-def _play_on(job: EpisodeJob, env: Any, cached: _Cached, send: Any) -> int:
+def _play_on(job: EpisodeJob, env: Any, cached: _Cached, send: Any, progress: list[int]) -> None:
     from grid2op.dtypes import dt_float
 
     names = cached.other_reward_names
@@ -251,11 +253,12 @@ def _play_on(job: EpisodeJob, env: Any, cached: _Cached, send: Any) -> int:
                     end__ - beg__,
                     names,
                 )
-    except _EPISODE_ERRORS as exc:
+    except _EPISODE_ERRORS:
         batch.flush()
-        exc._ar_step = time_step  # type: ignore[union-attr]  # read by run_episode
+        progress[0] = time_step
         raise
     end_ = time.perf_counter()
+    progress[0] = time_step
     last = [b for b in [batch.take()] if b is not None]
     finished = _finished(job, env, cum_reward, time_step, max_ts, time_act, end_ - beg_)
     if keep is not None:
@@ -269,7 +272,14 @@ def _play_on(job: EpisodeJob, env: Any, cached: _Cached, send: Any) -> int:
         finished = dataclasses.replace(finished, files=files)
         _SPARE.append(keep.release())
     send(*last, finished)  # one write: one wake-up of the orchestrator
-    return time_step
+
+
+def _text(exc: BaseException) -> str:
+    """``str(exc)``, or what ``traceback`` shows when the exception's ``__str__`` fails."""
+    try:
+        return str(exc)
+    except Exception:
+        return "<exception str() failed>"
 
 
 # A failed episode's exception larger than this, pickled, is not sent (it holds an env...).
@@ -278,13 +288,20 @@ _EXCEPTION_MAX_BYTES = 1 << 20
 
 def _pickled(exc: BaseException) -> bytes | None:
     """``exc`` pickled as multiprocessing sends a worker's exception back, if it can be (by
-    value where its class was sent so: the caller gets its own class back)."""
+    value where its class cannot be by reference: one the caller sent by value comes back as
+    the caller's own)."""
     if not isinstance(exc, Exception) or isinstance(exc, _CentralAgentFailed):
-        return None  # SystemExit and KeyboardInterrupt end the episode only (README)
+        return None  # SystemExit, KeyboardInterrupt... end the episode only (README)
     try:
-        data: bytes = cloudpickle.dumps(exc, protocol=4)
+        # By reference first: a class of the caller's script (``__main__``, which a forked
+        # worker shares) is then the caller's own, which its ``except`` clauses catch; by
+        # value otherwise (cloudpickle: a class defined in a function).
+        data: bytes = pickle.dumps(exc, protocol=4)
     except Exception:
-        return None
+        try:
+            data = cloudpickle.dumps(exc, protocol=4)
+        except Exception:
+            return None
     return data if len(data) <= _EXCEPTION_MAX_BYTES else None
 
 

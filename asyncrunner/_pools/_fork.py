@@ -76,6 +76,10 @@ def _serve(
     # collected here: a full collection would go through all of it (0.15 to 0.2 s after a
     # parent built an env) and write to every object's pages, which the fork shares until then.
     gc.freeze()
+    # An agent may start processes of its own (a multiprocessing pool in its act), as it can in
+    # grid2op's Runner with one process: a daemonic process may not. This one is stopped by its
+    # parent, or with it (above).
+    multiprocessing.current_process().daemon = False
     # Ctrl-C reaches the whole process group: the parent decides (it cancels, which kills us).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.set_wakeup_fd(-1)  # the parent's event loop's, not ours
@@ -220,6 +224,11 @@ class _Worker:
                 f"worker process {self.pid} ended (exit code {code})"
             ) from exc
         if status == "error":
+            if not isinstance(value, Exception):
+                # (a CancelledError raised here would look like this task's cancellation)
+                raise RuntimeError(
+                    f"a call in worker process {self.pid} raised {type(value).__name__}: {value}"
+                )
             raise value
         return value
 

@@ -27,6 +27,7 @@ import anyio.to_thread
 
 from .._exceptions import unwrapped
 from .._plan._arguments import at_least
+from .._plan._mixes import mixes_of
 from .._runner import AsyncRunner, sharing_workers, usable_cpus
 from ._grid2op import COMPETITIONS, ScorePlan, compute_stats, grid2op_scores
 
@@ -106,6 +107,14 @@ async def score(
         raise ValueError("`agents` is empty: pass an agent or a list of agents")
     if resume and path_save is None:
         raise ValueError("`resume=True` needs `path_save`: the folder of the score to resume")
+    mixes = mixes_of(env)
+    if mixes is not None:
+        first = next(iter(mixes.values()), None)
+        where = f" (the first: {first.get_path_env()})" if first is not None else ""
+        raise ValueError(
+            "grid2op's score classes do not take a MultiMixEnvironment: score each mix as an "
+            f"env of its own, grid2op.make(<its folder>){where}"
+        )
     for name, value, lowest in (("nb_scenario", nb_scenario, 1), ("max_step", max_step, -1)):
         whole = isinstance(value, numbers.Integral) and not isinstance(value, bool)
         if value is not None and (not whole or value < lowest or value == 0):
