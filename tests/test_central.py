@@ -546,11 +546,9 @@ class BatchCancelsOnThirdCall(CancelsOnThirdCall):
 async def test_a_cancelled_error_of_a_sync_agent_fails_its_episodes(env: Any, kind: str) -> None:
     # Raised out of its thread, it looked like the cancellation of the run's task: the run
     # returned without the episodes it failed.
-    agent = {
-        "shared": lambda: CancelsOnThirdCall(env.action_space),
-        "per_episode": lambda: CancelsOnThirdCall,
-        "batch": lambda: BatchCancelsOnThirdCall(env.action_space),
-    }[kind]()
+    agent: Any = CancelsOnThirdCall
+    if kind != "per_episode":
+        agent = (BatchCancelsOnThirdCall if kind == "batch" else agent)(env.action_space)
     async with AsyncRunner(env, agent=CentralAgent(agent), workers=2) as runner:
         with anyio.fail_after(120):
             results = await runner.run(2, max_iter=5, on_error="continue", retries=0)
