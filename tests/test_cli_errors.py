@@ -280,9 +280,18 @@ def test_failed_row_under_raise_names_its_chronic(
     assert "failed after 3 steps" in err and "failed at step" not in err
     # The episodes not played once one failed are counted too.
     argv = ["run", "--episodes", "3", "--workers", "1", "--max-iter", "5"]
-    code, out, err, _ = _main([*argv, "--agent", _agents(tmp_path, "boom_raise3")], capsys)
+    agent = ["--agent", _agents(tmp_path, "boom_raise3")]
+    code, out, err, _ = _main([*argv, *agent], capsys)
     assert code == 1
     assert out.splitlines()[-1].startswith("0/3 episodes played, 1 failed, 2 cancelled, ")
+    # Saved, it says what is kept and how to play the rest (as after Ctrl-C).
+    save = ["--save", str(tmp_path / "runs")]
+    code, out, err, _ = _main([*argv, *agent, *save], capsys)
+    assert code == 1
+    resume = shlex.join(["asyncrunner", *argv, *agent, *save, "--resume"])
+    assert err.splitlines()[-1] == (
+        f"asyncrunner: 0 saved in {tmp_path / 'runs'}; once fixed, play the 3 others with: {resume}"
+    )
 
 
 def test_a_multimix_run_names_each_rows_mix_and_counts_every_mix(
