@@ -317,6 +317,11 @@ def test_a_multimix_run_names_each_rows_mix_and_counts_every_mix(
         capsys,
         "show",
     )
+    # A failure names its mix: every mix has a chronic 001.
+    boom = ["--agent", _agents(tmp_path, "boom_mixes"), "--on-error", "continue"]
+    code, out, err, _ = _main([*argv[:-1], "5", *boom], capsys)
+    assert code == 1
+    assert "episode 1 (x2.5/001) failed after 3 steps: ValueError: boom at step 3" in err
 
 
 def test_show_a_file_says_it_is_a_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -222,7 +222,7 @@ def run_command(args: argparse.Namespace, parser: Parser, argv: list[str]) -> in
         assert r.error is not None
         # The episode's own traceback (the agent's or env's code): what the user needs to fix.
         error = r.error
-        where = f" ({r.name})" if r.name else ""
+        where = f" ({r.mix + '/' if r.mix else ''}{r.name})" if r.name else ""
         print(
             f"asyncrunner: episode {r.index}{where} failed after {error.step} steps: "
             f"{error.error_type}: {error.message}",
