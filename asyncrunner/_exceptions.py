@@ -41,6 +41,10 @@ class EpisodeError(AsyncRunnerError):
         self.failure = failure
         self.results = results
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # (pickled by a process pool, a Dask task...: rebuilt with its failure and results)
+        return type(self), (self.failure, self.results)
+
 
 class SinkError(AsyncRunnerError):
     """Raised when a sink fails, whatever ``on_error`` says: the run stops, the message names the
@@ -54,9 +58,23 @@ class SinkError(AsyncRunnerError):
         self.results: list[EpisodeResult] = [] if results is None else results
         self.sink = sink
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # The sink, a live object of the process that ran the run (a lock, an open file...),
+        # does not go along.
+        return type(self), (str(self), self.results)
+
 
 class WorkerChannelError(AsyncRunnerError):
     """Raised when the channel that carries steps back from the workers breaks."""
+
+
+def text_of(exc: BaseException) -> str:
+    """``str(exc)``, or what ``traceback`` shows when the exception's ``__str__`` fails (an
+    agent's exception reported as it was raised, not as the failure of its report)."""
+    try:
+        return str(exc)
+    except Exception:
+        return "<exception str() failed>"
 
 
 class unwrapped:  # a context manager, named as contextlib names its own

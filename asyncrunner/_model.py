@@ -10,7 +10,7 @@ the episode starts again with ``attempt + 1``: sinks drop what they hold for the
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,6 +45,26 @@ class EpisodeRequest:
     init_state: Any
     reset_options: dict[str, Any] | None
     mix: str | None = None
+
+
+class ReadOnly(Mapping[str, Any]):
+    """A read-only mapping that pickles and copies (a ``MappingProxyType`` does neither: a sink
+    forwarding events to another process failed on the first one)."""
+
+    def __init__(self, data: Mapping[str, Any]) -> None:
+        self._data = dict(data)
+
+    def __getitem__(self, key: str) -> Any:
+        return self._data[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._data)
+
+    def __len__(self) -> int:
+        return len(self._data)
+
+    def __repr__(self) -> str:
+        return f"ReadOnly({self._data!r})"
 
 
 @dataclass(frozen=True)

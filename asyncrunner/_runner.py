@@ -16,7 +16,6 @@ import weakref
 from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import replace
-from types import MappingProxyType
 from typing import Any, Literal, TypedDict, Unpack
 
 import anyio
@@ -31,7 +30,7 @@ from ._engine._parsed import ParsedAhead
 from ._engine._pool import WorkerPool
 from ._engine._recipe import agent_name, agent_recipe, class_attributes, env_key, recipes
 from ._exceptions import AsyncRunnerError, EpisodeError, unwrapped
-from ._model import EpisodeResult, Event
+from ._model import EpisodeResult, Event, ReadOnly
 from ._plan._arguments import at_least, chronic_names
 from ._plan._mixes import mixes_of
 from ._plan._planner import plan_run
@@ -528,7 +527,7 @@ class AsyncRunner(AsyncResource):
         def read() -> dict[str, Any]:
             return {name: json.loads(data) for name, data in files.items()}
 
-        return await anyio.to_thread.run_sync(read), MappingProxyType(files)
+        return await anyio.to_thread.run_sync(read), ReadOnly(files)
 
     # --- runs ----------------------------------------------------------------------------------
 
@@ -812,27 +811,31 @@ def _same_values(a: dict[str, Any], b: dict[str, Any]) -> bool:
 
 async def _detailed(results: list[EpisodeResult], data: dict[int, Any]) -> list[EpisodeResult]:
     """``results`` with their ``EpisodeData``: built from the streamed steps (``data``), or for
-    an episode ``resume`` read back, grid2op's ``EpisodeData.from_disk`` of its folder."""
+    an episode ``resume`` read back, grid2op's ``EpisodeData.from_disk`` of its folder; that of
+    an episode saved in grid2op's EpisodeData format points at its folder, as grid2op's does
+    after a run with ``path_save`` (``agent_path``, ``episode_path``, ``serialize``)."""
     saved = {
         r.index: r.path
         for r in results
         if r.index not in data and r.error is None and r.path is not None
     }
-    if saved:
-        data = {**data, **await anyio.to_thread.run_sync(_from_disk, saved)}
-    return [
-        replace(r, episode_data=_located(r, data.get(r.index, r.episode_data))) for r in results
-    ]
+    paths = [r.path for r in results if r.path is not None]
 
+    def read() -> tuple[dict[int, Any], set[str]]:
+        folders = {p for p in paths if os.path.isfile(os.path.join(p, "episode_meta.json"))}
+        return _from_disk(saved), folders  # (not a CompactEpisodeWriter's .npz file)
 
-def _located(result: EpisodeResult, data: Any) -> Any:
-    """An ``EpisodeData`` of a saved episode, pointing at its folder as grid2op's does after a
-    run with ``path_save`` (``agent_path``, ``episode_path``, ``serialize``)."""
-    if result.path is not None and data is not None and not hasattr(data, "exp_dir"):
-        data.agent_path = os.path.dirname(result.path)
-        data.episode_path = result.path
-        data.serialize = True
-    return data
+    read_back, folders = await anyio.to_thread.run_sync(read)
+    data = {**data, **read_back}
+    out = []
+    for r in results:
+        episode = data.get(r.index, r.episode_data)
+        if r.path in folders and episode is not None and not hasattr(episode, "exp_dir"):
+            episode.agent_path = os.path.dirname(r.path)
+            episode.episode_path = r.path
+            episode.serialize = True
+        out.append(replace(r, episode_data=episode))
+    return out
 
 
 def _from_disk(paths: dict[int, str]) -> dict[int, Any]:

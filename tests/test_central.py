@@ -523,8 +523,15 @@ async def test_a_per_episode_agent_is_built_off_the_loop_and_its_exit_fails_its_
     assert threading.main_thread().name not in ExitsOnThirdStep.threads
 
 
+class StrFails(Exception):
+    def __str__(self) -> str:
+        raise KeyError("reason")
+
+
 class CancelsOnThirdCall(BaseAgent):  # type: ignore[misc]  # grid2op is untyped
     """Its third act raises a CancelledError of its own (its asyncio client's)."""
+
+    ERROR: ClassVar[type[BaseException]] = asyncio.CancelledError
 
     def __init__(self, action_space: Any) -> None:
         super().__init__(action_space)
@@ -533,7 +540,7 @@ class CancelsOnThirdCall(BaseAgent):  # type: ignore[misc]  # grid2op is untyped
     def act(self, observation: Any, reward: float, done: bool = False) -> Any:
         self.calls += 1
         if self.calls == 3:
-            raise asyncio.CancelledError("the agent's own")
+            raise self.ERROR("the agent's own")
         return self.action_space({})
 
 
@@ -542,20 +549,48 @@ class BatchCancelsOnThirdCall(CancelsOnThirdCall):
         return [self.act(o, r) for o, r in zip(observations, rewards, strict=True)]
 
 
-@pytest.mark.parametrize("kind", ["shared", "per_episode", "batch"])
-async def test_a_cancelled_error_of_a_sync_agent_fails_its_episodes(env: Any, kind: str) -> None:
-    # Raised out of its thread, it looked like the cancellation of the run's task: the run
-    # returned without the episodes it failed.
-    agent: Any = CancelsOnThirdCall
-    if kind != "per_episode":
-        agent = (BatchCancelsOnThirdCall if kind == "batch" else agent)(env.action_space)
+class AsyncCancelsOnThirdCall(CancelsOnThirdCall):
+    async def act(self, observation: Any, reward: float, done: bool = False) -> Any:
+        return super().act(observation, reward, done)
+
+
+class AsyncBatchCancelsOnThirdCall(CancelsOnThirdCall):
+    async def act_batch(self, observations: Any, rewards: Any, dones: Any) -> list[Any]:
+        return [
+            CancelsOnThirdCall.act(self, o, r) for o, r in zip(observations, rewards, strict=True)
+        ]
+
+
+class ReportFails(CancelsOnThirdCall):
+    ERROR = StrFails
+
+
+@pytest.mark.parametrize(
+    ("agent_class", "per_episode"),
+    [
+        (CancelsOnThirdCall, False),
+        (CancelsOnThirdCall, True),
+        (BatchCancelsOnThirdCall, False),
+        (AsyncCancelsOnThirdCall, False),
+        (AsyncCancelsOnThirdCall, True),
+        (AsyncBatchCancelsOnThirdCall, False),
+        (ReportFails, False),
+    ],
+)
+async def test_what_the_agent_raises_fails_its_episodes(
+    env: Any, agent_class: Any, per_episode: bool
+) -> None:
+    # A CancelledError of the agent's own looked like the cancellation of the run's task (the
+    # run returned without the episodes it failed); an exception whose __str__ fails, like a
+    # worker's death.
+    agent = agent_class if per_episode else agent_class(env.action_space)
     async with AsyncRunner(env, agent=CentralAgent(agent), workers=2) as runner:
         with anyio.fail_after(120):
             results = await runner.run(2, max_iter=5, on_error="continue", retries=0)
     assert len(results) == 2
-    errors = [r.error.error_type for r in results if r.error is not None]
-    assert errors and set(errors) == {"CancelledError"}
-    assert all("the agent's own" in r.error.traceback for r in results if r.error is not None)
+    errors = [r.error for r in results if r.error is not None]
+    assert errors and {e.error_type for e in errors} == {agent_class.ERROR.__name__}
+    assert all("in act" in e.traceback for e in errors)
 
 
 async def test_calls_waiting_for_a_shared_agent_hold_no_thread_of_the_default_pool(

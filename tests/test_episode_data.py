@@ -643,6 +643,11 @@ async def test_episode_data_points_at_its_folder_as_grid2ops(
             0
         ].episode_data
         unsaved = (await runner.run(add_detailed_output=True, **kwargs))[0].episode_data
+        # Saved by a CompactEpisodeWriter only: no EpisodeData folder to point at (found by
+        # review: it pointed at the writer's .npz file).
+        (compact,) = await runner.run(
+            add_detailed_output=True, sinks=[CompactEpisodeWriter(tmp_path / "c")], **kwargs
+        )
     for data, folder in ((theirs, "grid2op"), (ours, "ours")):
         assert (data.agent_path, data.episode_path, data.serialize) == (
             str(tmp_path / folder),
@@ -650,3 +655,6 @@ async def test_episode_data_points_at_its_folder_as_grid2ops(
             True,
         )
     assert not unsaved.serialize and not hasattr(unsaved, "episode_path")  # as grid2op's
+    assert compact.path is not None and compact.path.endswith(".npz")
+    assert not compact.episode_data.serialize
+    assert not hasattr(compact.episode_data, "episode_path")

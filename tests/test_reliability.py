@@ -212,6 +212,16 @@ async def test_agent_error_raise_carries_finished_results(env: Any, tmp_path: An
     assert info.value.failure.index == 1
     assert [r.index for r in info.value.results] == [0]  # one worker: episode 2 never started
     assert info.value.results[0].nb_time_step == 20
+    # A run in a process pool (or a Dask task) raises it in its caller: it pickles (it did not:
+    # the pool broke), with what it carries.
+    again = pickle.loads(pickle.dumps(info.value))
+    assert (str(again), again.failure, again.results) == (
+        str(info.value),
+        info.value.failure,
+        info.value.results,
+    )
+    sink_error = pickle.loads(pickle.dumps(SinkError("a sink failed", info.value.results, Sink)))
+    assert (str(sink_error), sink_error.results) == ("a sink failed", info.value.results)
 
 
 async def test_killed_worker_is_replaced_and_episode_retried(env: Any) -> None:

@@ -4,6 +4,7 @@ import dataclasses
 import json
 import logging
 import os
+import pickle
 import re
 import subprocess
 import sys
@@ -789,6 +790,11 @@ async def test_a_sink_changing_the_spaces_changes_no_saved_file(
     assert isinstance(started, RunStarted)
     with pytest.raises(TypeError):  # the files the writers write: read-only (found by review)
         started.space_files[name] = b"{}"  # type: ignore[index]
+    # Every event pickles (a sink forwarding them to another process failed on this first one).
+    for event in record.events:
+        again = pickle.loads(pickle.dumps(event))
+        assert type(again) is type(event)
+    assert dict(pickle.loads(pickle.dumps(started)).space_files) == dict(started.space_files)
 
 
 class PlainSend(Sink):

@@ -13,6 +13,7 @@ channel (``AgentCall``) and waits for the action. Here, per run, a ``_Server``:
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import copy
 import inspect
@@ -27,6 +28,7 @@ from typing import Any, TypeVar
 import anyio
 import numpy as np
 
+from .._exceptions import text_of
 from .._plan._arguments import at_least
 from ._channel import AgentCall, Channel
 
@@ -124,9 +126,20 @@ def _ok(action: Any) -> bytes:
     return pickle.dumps(("ok", action.to_vect()), protocol=5)
 
 
-# What an agent raises fails its episode (as in a worker: ``_worker._EPISODE_ERRORS``), not the
-# run; a KeyboardInterrupt is not caught here: on the event loop it may be the user's Ctrl-C.
-_AGENT_ERRORS = (Exception, SystemExit)
+def _not_the_agents(exc: BaseException) -> bool:
+    """Whether ``exc``, raised where an agent's code ran on the event loop, stops the run rather
+    than fail the episode (as in a worker: ``_worker._EPISODE_ERRORS``): a KeyboardInterrupt
+    (there, maybe the user's Ctrl-C), and this task's own cancellation, not a CancelledError
+    the agent's code raised."""
+    if isinstance(exc, KeyboardInterrupt):
+        return True
+    if not isinstance(exc, anyio.get_cancelled_exc_class()):
+        return False
+    try:
+        task = asyncio.current_task()
+    except RuntimeError:  # trio: its Cancelled is only ever its own
+        return True
+    return task is None or task.cancelling() > 0
 
 
 def _error(exc: BaseException) -> bytes:
@@ -134,7 +147,7 @@ def _error(exc: BaseException) -> bytes:
         raised, tb = exc.raised, exc.tb
     else:
         raised, tb = exc, traceback.format_exc()
-    return pickle.dumps(("error", type(raised).__name__, str(raised), tb), protocol=5)
+    return pickle.dumps(("error", type(raised).__name__, text_of(raised), tb), protocol=5)
 
 
 class _Raised(Exception):
@@ -230,7 +243,9 @@ class _Server:
                     _carried(run), abandon_on_cancel=True, limiter=self.calls
                 )
             )
-        except _AGENT_ERRORS as exc:
+        except BaseException as exc:
+            if _not_the_agents(exc):
+                raise
             return _error(exc)
 
     async def _per_episode(self, key: _Key, call: AgentCall) -> Any:
@@ -308,7 +323,9 @@ class _Server:
                     f"act_batch returned {len(actions)} actions for {len(batch)} observations"
                 )
             replies: Sequence[bytes] = [_ok(a) for a in actions]
-        except _AGENT_ERRORS as exc:
+        except BaseException as exc:
+            if _not_the_agents(exc):
+                raise
             replies = [_error(exc)] * len(batch)
         for pending, reply in zip(batch, replies, strict=True):
             pending.reply = reply

@@ -24,6 +24,7 @@ from typing import Any
 import cloudpickle
 import numpy as np
 
+from .._exceptions import text_of
 from .._model import EpisodeFailed, EpisodeFinished, EpisodeStarted
 from ..sinks._buffer import EpisodeBuffer
 from ..sinks._files import episode_files
@@ -175,7 +176,7 @@ def run_episode(job: EpisodeJob, slot: int = 0, slots: int = 1) -> str:
             index=job.index,
             attempt=job.attempt,
             error_type=getattr(exc, "_ar_type", type(exc).__name__),
-            message=_text(exc),
+            message=text_of(exc),
             traceback=getattr(exc, "_ar_traceback", None) or traceback.format_exc(),
             step=progress[0],
             exception=_pickled(exc) if job.exceptions else None,
@@ -272,14 +273,6 @@ def _play_on(job: EpisodeJob, env: Any, cached: _Cached, send: Any, progress: li
         finished = dataclasses.replace(finished, files=files)
         _SPARE.append(keep.release())
     send(*last, finished)  # one write: one wake-up of the orchestrator
-
-
-def _text(exc: BaseException) -> str:
-    """``str(exc)``, or what ``traceback`` shows when the exception's ``__str__`` fails."""
-    try:
-        return str(exc)
-    except Exception:
-        return "<exception str() failed>"
 
 
 # A failed episode's exception larger than this, pickled, is not sent (it holds an env...).
