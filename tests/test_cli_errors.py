@@ -290,7 +290,7 @@ def test_failed_row_under_raise_names_its_chronic(
     assert code == 1
     resume = shlex.join(["asyncrunner", *argv, *agent, *save, "--resume"])
     assert err.splitlines()[-1] == (
-        f"asyncrunner: 0 saved in {tmp_path / 'runs'}; once fixed, play the 3 others with: {resume}"
+        f"asyncrunner: 0 saved in {tmp_path / 'runs'}; once fixed, play the other 3 with: {resume}"
     )
 
 

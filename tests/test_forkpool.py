@@ -46,6 +46,27 @@ def has_a_child() -> int | None:
     return child.exitcode
 
 
+_KEPT: list[Any] = []
+
+
+def keeps_a_child(daemon: bool) -> int:
+    """Starts a process (an agent's helper) and leaves it running."""
+    child = multiprocessing.get_context("fork").Process(
+        target=time.sleep, args=(60,), daemon=daemon
+    )
+    child.start()
+    _KEPT.append(child)
+    assert child.pid is not None
+    return child.pid
+
+
+def keeps_a_child_then_sleeps(path: str) -> None:
+    pid = keeps_a_child(daemon=True)
+    with open(path, "w") as f:
+        f.write(str(pid))
+    time.sleep(60)
+
+
 def unpicklable() -> Any:
     return threading.Lock()
 
@@ -208,6 +229,30 @@ async def test_a_cancelled_call_kills_its_worker(tmp_path: Any) -> None:
     pid = int(marker.read_text())
     assert not alive(pid)
     assert pool.pids == set()
+    await pool.aclose()
+
+
+async def test_processes_an_agent_left_end_with_its_worker(tmp_path: Any) -> None:
+    # Its workers no longer daemonic (an agent may start processes), a worker's exit waited for
+    # a helper the agent kept (the pool's close took its grace, 5 s per worker), and a killed
+    # worker's helpers outlived it (found by review).
+    pool = ForkPool(anyio.CapacityLimiter(1))
+    helper = await pool.call(keeps_a_child, False)
+    with anyio.fail_after(3):
+        await pool.aclose()
+    assert not alive(helper)
+    pool = ForkPool(anyio.CapacityLimiter(1))
+    marker = tmp_path / "pid"
+    async with anyio.create_task_group() as group:
+        group.start_soon(pool.call, keeps_a_child_then_sleeps, str(marker))
+        with anyio.fail_after(30):
+            while not marker.exists() or not marker.read_text():  # noqa: ASYNC110
+                await anyio.sleep(0.01)
+        group.cancel_scope.cancel()  # kills the worker
+    helper = int(marker.read_text())
+    with anyio.fail_after(5):
+        while alive(helper):  # noqa: ASYNC110 - another process's state
+            await anyio.sleep(0.01)
     await pool.aclose()
 
 

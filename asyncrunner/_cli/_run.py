@@ -233,9 +233,10 @@ def run_command(args: argparse.Namespace, parser: Parser, argv: list[str]) -> in
     if args.save is not None and (failed or cancelled > 0):
         kept = sum(r.error is None and r.path is not None for r in results)
         resume = argv if args.resume else [*argv, "--resume"]
+        left = len(failed) + max(cancelled, 0)
         print(
-            f"asyncrunner: {kept} saved in {args.save}; once fixed, play the "
-            f"{len(failed) + max(cancelled, 0)} others with: asyncrunner {shlex.join(resume)}",
+            f"asyncrunner: {kept} saved in {args.save}; once fixed, play the other "
+            f"{left} with: asyncrunner {shlex.join(resume)}",
             file=sys.stderr,
         )
     return 1 if failed else 0

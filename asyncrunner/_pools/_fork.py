@@ -17,6 +17,7 @@ runs of more than 40 workers.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import ctypes
 import functools
 import gc
@@ -88,6 +89,14 @@ def _serve(
             os.close(fd)
         except OSError:
             pass
+    try:
+        _answer(sock)
+    finally:
+        _end_children()
+
+
+def _answer(sock: socket.socket) -> None:
+    """Run the calls that come over ``sock``, and send their replies, until it closes."""
     while True:
         try:
             fn, args = pickle.loads(receive_frame(sock))
@@ -107,6 +116,51 @@ def _serve(
             sock.sendall(frame(data))
         except OSError:  # the parent is gone: nobody to tell
             return
+
+
+def _end_children() -> None:
+    """Stop the processes an agent started with multiprocessing and left running: this worker's
+    exit would wait for them (multiprocessing joins those that are not daemonic)."""
+    children = multiprocessing.active_children()
+    for child in children:
+        child.terminate()
+    for child in children:
+        child.join(1.0)
+        if child.exitcode is None:
+            child.kill()
+            child.join()
+
+
+def _kill(process: Any) -> None:
+    """Kill a worker process and the processes it started (an agent's, which would outlive it):
+    stopped first, so that it starts no other meanwhile."""
+    with contextlib.suppress(OSError):
+        os.kill(process.pid, signal.SIGSTOP)
+    for pid in _descendants(process.pid):
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+    process.kill()
+
+
+def _descendants(pid: int) -> list[int]:
+    """The processes under ``pid``, as Linux lists them (none where ``/proc`` does not)."""
+    found: list[int] = []
+    todo = [pid]
+    while todo:
+        parent = todo.pop()
+        try:
+            threads = os.listdir(f"/proc/{parent}/task")
+        except OSError:
+            continue
+        for thread in threads:
+            try:
+                with open(f"/proc/{parent}/task/{thread}/children") as f:
+                    children = [int(child) for child in f.read().split()]
+            except (OSError, ValueError):
+                continue
+            found += children
+            todo += children
+    return found
 
 
 # The thread this process forks from, which runs nothing else. A child starts as a copy of the
@@ -233,7 +287,7 @@ class _Worker:
         return value
 
     def kill(self) -> None:
-        self.process.kill()
+        _kill(self.process)
         self.process.join()
         self.close()
         self.reap()
@@ -331,7 +385,7 @@ class ForkPool(WorkerPool):
             for worker in idle:
                 worker.process.join(STOP_GRACE)
                 if worker.process.exitcode is None:
-                    worker.process.kill()
+                    _kill(worker.process)
                     worker.process.join()
                 worker.reap()
 
