@@ -99,9 +99,17 @@ def test_served_frames_are_copies_and_a_changed_file_is_read_again(
         data.write_text("a;b\n7;8\n")  # changed (size): read again
         assert pandas.read_csv(data, sep=";").iloc[0, 0] == 7
         assert len(reads) == 3
+        # Changed to the same size, its modification time set back (a copy tool keeping
+        # times): read again (its old parse was served, found by the caches hunt).
+        stat = data.stat()
+        data.write_text("a;b\n9;8\n")
+        os.utime(data, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+        assert data.stat().st_mtime_ns == stat.st_mtime_ns and data.stat().st_size == stat.st_size
+        assert pandas.read_csv(data, sep=";").iloc[0, 0] == 9
+        assert len(reads) == 4
         with open(tmp_path / "copy.csv") as f:  # a buffer: always read
             pandas.read_csv(f, sep=";")
-        assert len(reads) == 4
+        assert len(reads) == 5
     assert pandas.read_csv is not _parsed._read_csv
 
 
@@ -273,11 +281,14 @@ def test_the_chronics_kept_on_disk_stay_within_their_bound(
         before = len(reads)
         _reset(env, 1, 1)
         assert len(reads) == before  # loaded from disk
-        monkeypatch.setattr(_parsed, "DISK_BYTES", 0)  # keep none: nothing more is written
+        monkeypatch.setattr(_parsed, "DISK_BYTES", 0)  # keep none, read none
+        _forget(monkeypatch)
+        _reset(env, 1, 1)
+        assert len(reads) > before  # parsed: what is on disk is not read (it was)
         shutil.rmtree(tmp_path / "chronics")
         _forget(monkeypatch)
         _reset(env, 2, 1)
-        assert not (tmp_path / "chronics").exists()
+        assert not (tmp_path / "chronics").exists()  # nothing more is written
     finally:
         env.close()
 

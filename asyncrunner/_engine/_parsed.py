@@ -15,11 +15,12 @@ has not played a chronic yet, the next evaluation of the same env): in
 the memory's entries and by the versions of Python, pandas, numpy and pandapower. A grid loads in
 about 10 ms instead of its parse; a chronic of ``l2rpn_idf_2023``'s test data in 7 ms instead of
 0.45 s (15 MB pickled). The chronics folder keeps at most ``DISK_BYTES`` (2 GiB, or
-``$ASYNCRUNNER_CHRONICS_CACHE_MB`` MiB; 0 keeps none), least recently used first out.
+``$ASYNCRUNNER_CHRONICS_CACHE_MB`` MiB; 0 keeps none and reads none), least recently used
+first out.
 
 Within ``parsing_once()`` these functions, called with a file path and plain arguments (numbers,
-strings, types), return a deep copy of what they returned for the same file (same size and
-modification time) and the same arguments: the same parse of the same bytes, in an object nothing
+strings, types), return a deep copy of what they returned for the same file (same inode, size, modification
+and change times) and the same arguments: the same parse of the same bytes, in an object nothing
 else holds. Any other call (a buffer, an iterator, a chunk size, other arguments) runs as usual.
 At most ``MAX_BYTES`` of parsed files are kept, least recently used first out.
 
@@ -71,14 +72,17 @@ def _key(name: str, path: Any, kwargs: dict[str, Any]) -> tuple[Any, ...] | None
         return None  # the parser raises its own error
     # The file itself, whatever path names it: ``os.path.realpath`` (the same for the next
     # processes, so it names the disk's entries too), once per absolute path in a process (40 us
-    # per file: 0.35 ms of a reset's 0.6 ms of lookups). Size and time say whether it changed.
+    # per file: 0.35 ms of a reset's 0.6 ms of lookups). Its inode, size and times say whether
+    # it changed: the change time too, which copies and ``os.utime`` cannot set back (a file
+    # edited to the same size, its modification time restored, was served its old parse).
     named = os.fspath(path)  # a path object may not be hashable
     where = _REAL_PATHS.get(named)
     if where is None:
         where = os.path.realpath(named)
         if os.path.isabs(named):  # a relative one depends on the working folder
             _REAL_PATHS[named] = where
-    return (name, where, stat.st_size, stat.st_mtime_ns, tuple(sorted(kwargs.items())))
+    changed = (stat.st_ino, stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns)
+    return (name, where, *changed, tuple(sorted(kwargs.items())))
 
 
 def cache_home() -> str:
@@ -112,7 +116,9 @@ def _disk_file(key: tuple[Any, ...]) -> tuple[str, tuple[str, ...]]:
 
 def _from_disk(key: tuple[Any, ...]) -> tuple[Any, int] | None:
     """What an earlier process parsed for ``key``, and its size pickled (None: not there, or not
-    readable)."""
+    readable; a chronic with ``DISK_BYTES`` 0: the disk's are not used)."""
+    if key[0] != _GRID and DISK_BYTES <= 0:
+        return None
     path, versions = _disk_file(key)
     try:
         with open(path, "rb") as f:
