@@ -7,9 +7,11 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 import warnings
 from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -401,3 +403,147 @@ def test_the_reconnecting_reference_plays_without_overflow_disconnection(
         assert sent["l2rpn_dn"] == sent["DoNothingAgent"] == env.parameters.to_dict()
     finally:
         plan.close()
+
+
+# The chronic a test's chronics filter leaves out (a module-level function, pickled by name: the
+# same function whatever it keeps).
+_LEFT_OUT: str | None = None
+
+
+def keep_chronic(path: str) -> bool:
+    return os.path.basename(path) != _LEFT_OUT
+
+
+def _cache_entries(env: Any, cache: Path, nb_scenario: int = 1) -> list[str]:
+    """The cache folder of each reference statistics of a l2rpn_2020 score of ``env``."""
+    from asyncrunner._score._grid2op import ScorePlan
+
+    plan = ScorePlan.make(
+        env, [DoNothingAgent], competition="l2rpn_2020", nb_scenario=nb_scenario, max_step=5,
+        env_seeds=None, agent_seeds=None, path_save=None, cache_dir=cache,
+    )  # fmt: skip
+    plan.close()
+    return [ref.stats.path_save_stats for ref in plan.refs]
+
+
+def test_the_cache_key_names_the_scenarios_played(
+    env: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    filtered = env.copy()
+    try:
+        filtered.chronics_handler.set_filter(keep_chronic)
+        filtered.chronics_handler.reset()
+        every = _cache_entries(filtered, tmp_path)
+        assert _cache_entries(filtered, tmp_path) == every
+        # The same filter function keeps other chronics: the one played is another (0001).
+        monkeypatch.setattr(sys.modules[__name__], "_LEFT_OUT", "0000")
+        assert set(_cache_entries(filtered, tmp_path)).isdisjoint(every)
+        monkeypatch.setattr(sys.modules[__name__], "_LEFT_OUT", None)
+        assert _cache_entries(filtered, tmp_path) == every
+    finally:
+        filtered.close()
+
+
+def test_the_cache_key_follows_the_env_files_and_the_played_chronics_files(
+    tmp_path: Path,
+) -> None:
+    env = env_copy("l2rpn_case14_sandbox", tmp_path)
+    folder = Path(env.get_path_env())
+    cache = tmp_path / "cache"
+
+    def touch(path: Path) -> None:  # as an edit does: a new modification time
+        info = path.stat()
+        os.utime(path, ns=(info.st_atime_ns, info.st_mtime_ns + 10**9))
+
+    try:
+        first = _cache_entries(env, cache)
+        assert _cache_entries(env, cache) == first
+        touch(folder / "chronics" / "0001" / "load_p.csv.bz2")  # not played (nb_scenario=1)
+        assert _cache_entries(env, cache) == first
+        played = folder / "chronics" / "0000" / "load_p.csv.bz2"
+        played.write_bytes(played.read_bytes() + b"\n")
+        edited = _cache_entries(env, cache)
+        assert set(edited).isdisjoint(first)
+        assert _cache_entries(env, cache) == edited
+        for name in ("grid.json", "config.py", "prods_charac.csv"):
+            touch(folder / name)
+            assert set(_cache_entries(env, cache)).isdisjoint(edited), name
+            edited = _cache_entries(env, cache)
+    finally:
+        env.close()
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_two_computations_of_one_cache_entry_at_once_both_succeed(
+    env: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from asyncrunner._score._grid2op import ScorePlan, compute_stats
+
+    # The references' episodes, played once.
+    save = tmp_path / "scores"
+    await asyncrunner.score(
+        env, DoNothingAgent, competition="l2rpn_2020", nb_scenario=1, max_step=5, workers=1,
+        path_save=save, cache_dir=tmp_path / "first",
+    )  # fmt: skip
+    played = save / "l2rpn_dn"
+    episodes = [
+        SimpleNamespace(name=name, path=os.path.join(where, name))
+        for where, name in EpisodeData.list_episode(str(played))
+    ]
+
+    def reference(cache: Path) -> tuple[Any, Any]:
+        plan = ScorePlan.make(
+            env, [DoNothingAgent], competition="l2rpn_2020", nb_scenario=1, max_step=5,
+            env_seeds=None, agent_seeds=None, path_save=None, cache_dir=cache,
+        )  # fmt: skip
+        plan.close()
+        return plan.scorer, next(ref for ref in plan.todo if ref.name == "l2rpn_dn")
+
+    # Two processes scoring at once: both post-process the same entry at the same time.
+    original = EpisodeStatistics.compute
+    both_there = threading.Barrier(2, timeout=60)
+
+    def together(self: Any, **kwargs: Any) -> Any:
+        both_there.wait()
+        return original(self, **kwargs)
+
+    monkeypatch.setattr(EpisodeStatistics, "compute", together)
+    computing = [reference(tmp_path / "shared") for _ in range(2)]
+    errors: list[BaseException] = []
+
+    def compute(scorer: Any, ref: Any) -> None:
+        try:
+            compute_stats(scorer, ref, str(played), episodes, None, None)
+        except BaseException as error:
+            errors.append(error)
+            both_there.abort()
+
+    threads = [threading.Thread(target=compute, args=pair) for pair in computing]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert errors == []
+    (_, ref), (_, other) = computing
+    target = Path(ref.stats.path_save_stats)
+    assert other.stats.path_save_stats == str(target)
+    assert (target / ".asyncrunner_complete").is_file()
+    metadata = ref.stats.get_metadata()  # signed by grid2op for this folder
+    assert metadata == other.stats.get_metadata() and metadata["0"]["path"] == str(target)
+    assert [p.name for p in target.parent.iterdir()] == [target.name]  # no private folder left
+
+    # A computation that fails leaves nothing behind; a damaged entry is computed again.
+    monkeypatch.setattr(EpisodeStatistics, "compute", lambda self, **kwargs: 1 / 0)
+    scorer, ref = reference(tmp_path / "other")
+    target = Path(ref.stats.path_save_stats)
+    with pytest.raises(ZeroDivisionError):
+        compute_stats(scorer, ref, str(played), episodes, None, None)
+    assert list(target.parent.iterdir()) == []
+    monkeypatch.setattr(EpisodeStatistics, "compute", original)
+    target.mkdir()
+    (target / "cut_short").write_text("")
+    compute_stats(scorer, ref, str(played), episodes, None, None)
+    assert (target / ".asyncrunner_complete").is_file() and not (target / "cut_short").exists()
+    again = ref.stats.get_metadata()
+    assert again["0"] == {**metadata["0"], "path": str(target)}
+    assert [p.name for p in target.parent.iterdir()] == [target.name]

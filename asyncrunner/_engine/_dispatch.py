@@ -113,6 +113,10 @@ class Run:
         self._terminal: dict[tuple[int, int], anyio.Event] = {}
         self._closed: set[tuple[int, int]] = set()
         self._last_step: dict[tuple[int, int], int] = {}  # by (index, attempt): received
+        # The failures the orchestrator made (a dead worker, a timeout), by (index, attempt), with
+        # their message given the step: sent through the inbox behind that attempt's events still
+        # queued there, they get their step when collected, once those went to the sinks.
+        self._made: dict[tuple[int, int], tuple[EpisodeFailed, Callable[[int], str]]] = {}
         # Each episode's last start: a failed episode's result names its chronic and length.
         self._started: dict[int, EpisodeStarted] = {}
         self._watchdogs: dict[tuple[int, int], anyio.CancelScope] = {}
@@ -298,11 +302,13 @@ class Run:
             return
         key = (event.index, event.attempt)
         if key in self._closed:
+            self._made.pop(key, None)
             return  # late frames of an attempt already ended (its worker died)
         if isinstance(event, EpisodeFinished | EpisodeFailed) and event.index in self.results:
             # The end of another attempt of an episode that has its result: one replayed because
             # its worker died just after sending the first end, seen before that end arrived.
             # The first result stands, told to the sinks once.
+            self._made.pop(key, None)
             self._closed.add(key)
             self._ended(key)
             return
@@ -321,6 +327,7 @@ class Run:
             self.results[event.index] = EpisodeResult.of_finished(event, mix=mix)
             self._remaining -= 1
         elif isinstance(event, EpisodeFailed):
+            event = self._completed(key, event)
             self._closed.add(key)
             if not event.retrying:
                 request = self._by_index[event.index]
@@ -339,6 +346,23 @@ class Run:
         await emit(event)
         if key in self._closed:
             self._ended(key)
+
+    def _completed(self, key: tuple[int, int], event: EpisodeFailed) -> EpisodeFailed:
+        """``event``, if the orchestrator made it (``_fail``), with the step received when it
+        is collected: every batch of the attempt before it in the inbox went to the sinks, and
+        those after it are dropped (``_closed``), so the sinks got the steps up to that one."""
+        made = self._made.pop(key, None)
+        if made is None or made[0] is not event:
+            return event  # the worker's own (its step is where it failed)
+        step = self._last_step.get(key, 0)
+        started = self._started.get(event.index)
+        return replace(
+            event,
+            step=step,
+            message=made[1](step),
+            # (an attempt that never started played no step)
+            steps_lost=started is not None and started.attempt == key[1],
+        )
 
     def _ended(self, key: tuple[int, int]) -> None:
         if self._agent is not None:
@@ -418,39 +442,34 @@ class Run:
             except TimeoutError:
                 for request, key in zip(group, keys, strict=True):
                     if key not in self._closed:
-                        await self._fail(
-                            channel,
-                            request,
-                            key[1],
-                            "EpisodeTimeout",
+                        timed_out = (
                             f"the episode ran longer than episode_timeout={self.episode_timeout}s;"
                             + (
                                 " its worker was stopped"
                                 if self.pool.stops_calls
                                 else " this pool cannot interrupt a running task: the episode"
                                 " stops at its next batch of steps, its worker busy until then"
-                            ),
+                            )
+                        )
+                        await self._fail(
+                            channel,
+                            request,
+                            key[1],
+                            "EpisodeTimeout",
+                            _as_is(timed_out),
                             retrying=False,
                         )
                 return
             except Exception as exc:
                 died = isinstance(exc, WorkerDied)
                 error_type = exc.kind if isinstance(exc, WorkerDied) else type(exc).__name__
-                detail = message = str(exc) or repr(exc)
+                detail = str(exc) or repr(exc)
+                message = (_died if died else _as_is)(detail)
                 again = []
                 for request, key in zip(group, keys, strict=True):
                     if key in self._closed:
                         continue
                     retrying = died and key[1] <= self.retries
-                    if died:
-                        # A dead process cannot flush: the steps it played since its last
-                        # batch are gone, so say what was received, not where it died.
-                        last = self._last_step.get(key, 0)
-                        seen = f"step {last} was the last received" if last else "no step received"
-                        message = (
-                            f"the worker process died ({detail}); {seen}: any steps it "
-                            "played after that were lost with it"
-                        )
                     await self._fail(channel, request, key[1], error_type, message, retrying)
                     if retrying:
                         attempts[request.index] += 1
@@ -468,24 +487,45 @@ class Run:
         request: EpisodeRequest,
         attempt: int,
         error_type: str,
-        message: str,
+        message: Callable[[int], str],
         retrying: bool,
     ) -> None:
-        started = self._started.get(request.index)
-        await channel.send.send(
-            EpisodeFailed(
-                run_id=self.run_id,
-                index=request.index,
-                attempt=attempt,
-                error_type=error_type,
-                message=message,
-                traceback="",
-                step=self._last_step.get((request.index, attempt), 0),
-                retrying=retrying,
-                # (an attempt that never started played no step)
-                steps_lost=started is not None and started.attempt == attempt,
-            )
+        """End an attempt with an ``EpisodeFailed`` of the orchestrator's (``message``: its
+        text given its step), put in the inbox behind the attempt's events still there: its
+        step, the last one received, is the one collected before it (``_completed``)."""
+        key = (request.index, attempt)
+        failed = EpisodeFailed(
+            run_id=self.run_id,
+            index=request.index,
+            attempt=attempt,
+            error_type=error_type,
+            message=message(0),
+            traceback="",
+            step=0,  # (``_completed`` sets it, and steps_lost)
+            retrying=retrying,
         )
+        self._made[key] = (failed, message)
+        await channel.send.send(failed)
+
+
+def _died(detail: str) -> Callable[[int], str]:
+    """The message of an attempt whose worker died, given the last step received from it."""
+
+    def message(last: int) -> str:
+        # A dead process cannot flush: the steps it played since its last batch are gone, so
+        # say what was received, not where it died.
+        seen = f"step {last} was the last received" if last else "no step received"
+        return (
+            f"the worker process died ({detail}); {seen}: any steps it played after that were "
+            "lost with it"
+        )
+
+    return message
+
+
+def _as_is(detail: str) -> Callable[[int], str]:
+    """A message that names no step."""
+    return lambda _: detail
 
 
 # The sinks serving a run now, by id: a sink's state is its run's (RunStarted starts it, aclose

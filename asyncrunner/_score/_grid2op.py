@@ -3,14 +3,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import hashlib
 import inspect
 import json
 import os
+import secrets
 import shutil
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -106,8 +108,9 @@ class ScorePlan:
             "cache_dir",
             "keep the reference statistics in",
         )
+        data = _played_data(env, int(scorer.nb_scenario))
         for ref in refs:
-            ref.stats = _stats_for(scorer, ref, cache_root, env_seeds, agent_seeds)
+            ref.stats = _stats_for(scorer, ref, cache_root, data, env_seeds, agent_seeds)
             ref.reused = os.path.isfile(os.path.join(ref.stats.path_save_stats, _COMPLETE))
         todo = [ref for ref in refs if not ref.reused]
         if path_save is not None:
@@ -208,10 +211,48 @@ def _check_counts(
             raise ValueError(f"`{name}` has {len(seeds)} seeds for {nb} scenarios: give one each")
 
 
+def _played_data(env: Any, nb: int) -> dict[str, Any]:
+    """What the references' statistics read from the env's files, for their cache key: the names
+    of the scenarios played, in play order (the first ``nb`` of the env's, its chronics filter
+    applied, as the runners play them), and a fingerprint of the env's own files and of the
+    played chronics' files: each one's path, size and times (stats only: no file is read)."""
+    real = getattr(env.chronics_handler, "real_data", None)
+    names = chronic_names(env)
+    folders: list[str] = []
+    if names is not None:
+        names = names[:nb]
+        by_name = {os.path.basename(str(p)): str(p) for p in getattr(real, "subpaths", [])}
+        folders = [by_name[name] for name in names if name in by_name]
+    else:  # one chronic (GridStateFromFile...) or none on disk (FromNPY...)
+        path = getattr(real, "path", None)
+        if isinstance(path, (str, os.PathLike)) and os.path.isdir(path):
+            folders = [str(path)]
+    home = os.path.realpath(env.get_path_env())
+    files: list[tuple[str, int, int, int]] = []
+
+    def note(path: str) -> None:
+        info = os.stat(path)
+        where = os.path.relpath(os.path.realpath(path), home)
+        files.append((where, info.st_size, info.st_mtime_ns, info.st_ctime_ns))
+
+    with os.scandir(home) as entries:  # the grid, config.py, prods_charac.csv, ...
+        for entry in entries:
+            if entry.is_file():
+                note(entry.path)
+    for folder in folders:
+        for top, dirs, found in os.walk(folder):
+            dirs.sort()
+            for name in sorted(found):
+                note(os.path.join(top, name))
+    folders = [os.path.realpath(folder) for folder in folders]
+    return {"chronics": names, "folders": folders, "files": sorted(files)}
+
+
 def _stats_for(
     scorer: Any,
     ref: _Reference,
     cache_root: str,
+    data: dict[str, Any],
     env_seeds: Sequence[int] | None,
     agent_seeds: Sequence[int] | None,
 ) -> Any:
@@ -234,6 +275,27 @@ def _stats_for(
             with open(path if path.endswith(".npz") else f"{path}.npz", "wb") as f:
                 f.write(npz_bytes(data=array))
 
+        # compute_stats processes the episodes in a private folder, renamed into place after:
+        # grid2op's metadata name (and sign, with grid2op's key) the folder the statistics are
+        # in, to be the final one.
+        def _gather_all(self, li_episodes: Any, dict_metadata: Any, score_names: Any) -> None:
+            super()._gather_all(li_episodes, dict_metadata, score_names)
+            final = getattr(self, "final_path", None)
+            if final is None or not li_episodes:
+                return
+            here = li_episodes[0][0]
+            path = os.path.join(here, self.METADATA)
+            with open(path, encoding="utf-8") as f:
+                metadata = json.load(f)
+            del metadata[self._get_hash_key_from_path(here)]
+            for value in metadata.values():
+                if isinstance(value, dict) and value.get("path") == here:
+                    value["path"] = final
+            signature = self._get_hash_from_json_metadata(metadata)
+            metadata[self._get_hash_key_from_path(final)] = signature
+            with open(path, "w", encoding="utf-8") as f:
+                json.dump(obj=metadata, fp=f)
+
     env = scorer.env
     params = ref.parameters if ref.parameters is not None else env.parameters
     key = {
@@ -245,7 +307,8 @@ def _stats_for(
         # Everything the env was made with (its backend, rewards, opponent, chronics class,
         # thermal limits, ...): what workers build it from, as the runners' recipes key it.
         "env_key": env_key(env),
-        "chronics": sorted(map(str, getattr(env.chronics_handler.real_data, "subpaths", []))),
+        # The scenarios played, in play order, and the files they and the env are read from.
+        "played": data,
         "nb_scenario": int(scorer.nb_scenario),
         "max_step": int(scorer.max_step),
         "env_seeds": None if env_seeds is None else [int(s) for s in env_seeds],
@@ -302,24 +365,54 @@ def compute_stats(
     env_seeds: Sequence[int] | None,
     agent_seeds: Sequence[int] | None,
 ) -> None:
-    """grid2op's ``EpisodeStatistics.compute`` post-processing of the episodes in ``played``."""
+    """grid2op's ``EpisodeStatistics.compute`` post-processing of the episodes in ``played``.
+
+    Another process (or thread) may compute the same cache entry at once: each processes its
+    episodes in a private folder beside the entry and renames it into place, complete; the first
+    one there wins, the others drop theirs and read it. A complete entry is never removed."""
+    stats = ref.stats
+    target = stats.path_save_stats
+    if os.path.isfile(os.path.join(target, _COMPLETE)):
+        return  # completed meanwhile
+    parent, base = os.path.split(target)
+    os.makedirs(parent, exist_ok=True)
+    # Unique to this call (mkdir fails on an existing name), as the umask allows (not mkdtemp's).
+    private = os.path.join(parent, f".{base}.{os.getpid()}.{secrets.token_hex(6)}")
+    os.mkdir(private)
+    try:
+        stats.final_path = target
+        stats.path_save_stats = private
+        try:
+            _process(scorer, ref, played, episodes, env_seeds, agent_seeds)
+        finally:
+            stats.path_save_stats = target
+            del stats.final_path
+        _move_into_place(private, target)
+    finally:
+        shutil.rmtree(private, ignore_errors=True)  # left only when it did not go in place
+
+
+def _process(
+    scorer: Any,
+    ref: _Reference,
+    played: str,
+    episodes: Sequence[Any],
+    env_seeds: Sequence[int] | None,
+    agent_seeds: Sequence[int] | None,
+) -> None:
     from grid2op.Agent import DoNothingAgent
 
     stats = ref.stats
-    target = stats.path_save_stats
-    if os.path.exists(target):
-        shutil.rmtree(target)  # an incomplete entry (no _COMPLETE)
-    os.makedirs(os.path.dirname(target), exist_ok=True)
-    # compute() rewrites the folder, and grid2op checks the statistics against their final path:
-    # copy this score's episodes there (path_save keeps them whole) and process them in place.
-    # Each under its chronic's name, as grid2op's Runner saves it: path_save may also hold an
-    # earlier run's episodes, and then this run's are <chronic>_1, ...
-    os.makedirs(target)
+    folder = stats.path_save_stats
+    # compute() rewrites the folder: copy this score's episodes there (path_save keeps them
+    # whole) and process them in place. Each under its chronic's name, as grid2op's Runner saves
+    # it: path_save may also hold an earlier run's episodes, and then this run's are
+    # <chronic>_1, ...
     for entry in os.scandir(played):
         if entry.is_file():  # the spaces' descriptions
-            shutil.copy2(entry.path, target)
+            shutil.copy2(entry.path, folder)
     for episode in episodes:
-        shutil.copytree(episode.path, os.path.join(target, episode.name))
+        shutil.copytree(episode.path, os.path.join(folder, episode.name))
     agent = ref.agent if ref.agent is not None else DoNothingAgent(scorer.env.action_space)
     stats.compute(
         agent=agent,
@@ -331,8 +424,43 @@ def compute_stats(
         agent_seeds=agent_seeds,
     )
     stats.clear_episode_data()
-    with open(os.path.join(target, _COMPLETE), "w", encoding="utf-8") as f:
+    with open(os.path.join(folder, _COMPLETE), "w", encoding="utf-8") as f:
         f.write("written by asyncrunner.score once grid2op's post-processing finished\n")
+
+
+def _move_into_place(private: str, target: str) -> None:
+    """Renames the complete folder ``private`` to ``target`` (atomic), unless ``target`` is
+    complete already (another process's, which readers may be using: ``private`` is left for the
+    caller to remove). An incomplete ``target`` (damaged: a crash of an older version, a copy cut
+    short) is replaced. Under a lock on the cache folder, so that no process moves aside what
+    another has just renamed into place."""
+    parent, base = os.path.split(target)
+    with _locked(parent):
+        if os.path.isfile(os.path.join(target, _COMPLETE)):
+            return
+        if os.path.lexists(target):
+            aside = tempfile.mkdtemp(prefix=f".{base}.{os.getpid()}.damaged.", dir=parent)
+            try:
+                os.rename(target, os.path.join(aside, base))
+            finally:
+                shutil.rmtree(aside, ignore_errors=True)
+        os.rename(private, target)
+
+
+@contextlib.contextmanager
+def _locked(folder: str) -> Iterator[None]:
+    """An exclusive lock on ``folder`` between processes (none where there is no ``flock``)."""
+    try:
+        import fcntl
+    except ImportError:  # Windows: renaming onto a folder fails there anyway
+        yield
+        return
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
 
 
 def grid2op_scores(scorer: Any, episodes: Sequence[Any]) -> tuple[Any, ...]:
