@@ -6,6 +6,7 @@ import gc
 import multiprocessing
 import os
 import pickle
+import shutil
 import time
 import weakref
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
@@ -13,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import grid2op
 import numpy as np
 import pytest
 from grid2op.Agent import BaseAgent, DoNothingAgent, RandomAgent
@@ -25,6 +27,7 @@ from asyncrunner._pools._fork import ForkPool
 from asyncrunner._runner import sharing_workers
 from asyncrunner.sinks import CallbackSink
 
+from .conftest import LightSimBackend
 from .helpers import BOTH_LOOPS, grid2ops, quiet, run_code, starts
 
 pytestmark = pytest.mark.anyio
@@ -691,3 +694,23 @@ async def test_an_open_runner_saves_after_its_env_was_closed(tmp_path: Any) -> N
     assert result.nb_time_step == 3
     [(_, name)] = EpisodeData.list_episode(str(tmp_path))
     assert len(EpisodeData.from_disk(str(tmp_path), name).actions) == 3
+
+
+async def test_an_env_made_after_chronics_were_added_is_not_an_open_runners(
+    tmp_path: Path,
+) -> None:
+    # A runner still open (a web app's) held its env for the same parameters: a runner of an env
+    # made after a chronic was added played that held env, without the new chronic (found by
+    # the caches hunt).
+    folder = tmp_path / "case14"
+    shutil.copytree(Path(grid2op.__file__).parent / "data" / "l2rpn_case14_sandbox", folder)
+    first = quiet(grid2op.make, str(folder), backend=LightSimBackend())
+    async with AsyncRunner(first, agent=DoNothingAgent, workers=1) as held:
+        await held.run(1, max_iter=2)
+        shutil.copytree(folder / "chronics" / "0000", folder / "chronics" / "0003")
+        second = quiet(grid2op.make, str(folder), backend=LightSimBackend())
+        async with AsyncRunner(second, agent=DoNothingAgent, workers=1) as runner:
+            (result,) = await runner.run(1, episode_id=[3], max_iter=2)
+        second.close()
+    first.close()
+    assert (result.error, result.name) == (None, "0003")

@@ -260,7 +260,14 @@ def _env_part(source: Any) -> tuple[dict[str, Any], tuple[type, ...], str]:
             "the env cannot be sent to worker processes: its get_params_for_runner() "
             f"cannot be pickled ({type(exc).__name__}: {exc})"
         ) from exc
-    return params, classes, hashlib.blake2b(blob, digest_size=16).hexdigest()
+    digest = hashlib.blake2b(blob, digest_size=16)
+    # The chronics it found in its folder: an env made after chronics were added or removed
+    # there is not the one a runner still open holds for the same parameters (``_envs.hold``).
+    real = getattr(getattr(source, "chronics_handler", None), "real_data", None)
+    found = getattr(real, "subpaths", None)
+    if found is not None:
+        digest.update(repr(sorted(map(str, found))).encode())
+    return params, classes, digest.hexdigest()
 
 
 def env_key(source: Any) -> str:
