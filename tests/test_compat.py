@@ -684,16 +684,10 @@ def test_envs_built_in_this_process_by_a_run(
     assert built() == once  # grid2op's constructor's, kept
     kept = runner._ar_env
     results = runner.run(nb_process=2, **kwargs)
-    assert built() == once  # nothing built since, here or in the workers
-    assert kept._BaseEnv__closed  # closed with the call, outside a `with` block
-    # The next call builds its own, as grid2op's Runner does at each run (the env's folder may
-    # have changed); in a `with` block the calls keep it.
-    with runner:
-        results_again = runner.run(nb_process=2, **kwargs)
-        kept = runner._ar_env
-        assert runner.run(nb_process=2, **kwargs) == results_again
-        assert built() == once * 2
-        assert not kept._BaseEnv__closed  # the runner's until the block ends
+    results_again = runner.run(nb_process=2, **kwargs)
+    assert built() == once  # nothing built since, here or in the workers of both runs
+    assert not kept._BaseEnv__closed  # the runner's until close()
+    runner.close()
     assert kept._BaseEnv__closed
     assert head(results) == head(results_again)
     assert head(results) == head(
@@ -706,7 +700,8 @@ def test_a_runner_left_unclosed_closes_its_env_when_collected(env: Any) -> None:
     # runner closes it, in order, rather than leave it to the collector (which may finalize its
     # observation env first, and the env's own close then raises).
     runner = compat_runner(env, agentClass=DoNothingAgent)
-    kept = runner._ar_env  # grid2op's constructor's, for the first run
+    runner.run(nb_episode=1, nb_process=2, max_iter=2)
+    kept = runner._ar_env
     obs_env = kept._observation_space.obs_env
     del runner
     gc.collect()
@@ -816,7 +811,8 @@ def test_an_exception_class_of_the_script_is_caught_by_its_except(tmp_path: Path
 def test_each_call_outside_a_with_block_plays_the_env_folder_as_it_is(tmp_path: Path) -> None:
     # grid2op's Runner builds an env at each run(): a chronic removed between two calls is not
     # played. compat kept its constructor's env (and its chronics) for every call: it played a
-    # removed chronic's cached data, or failed (found by the caches hunt).
+    # removed chronic's cached data, or failed (found by the caches hunt). It keeps it while the
+    # chronics are those it found.
     folder = tmp_path / "case14"
     shutil.copytree(Path(grid2op.__file__).parent / "data" / "l2rpn_case14_sandbox", folder)
     env = quiet(grid2op.make, str(folder), backend=LightSimBackend())

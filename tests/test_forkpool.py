@@ -19,7 +19,7 @@ import pytest
 from anyio import BrokenWorkerProcess
 
 from asyncrunner._engine._envs import exclusive
-from asyncrunner._pools._fork import ForkPool
+from asyncrunner._pools._fork import ForkPool, _kill
 
 from .helpers import BOTH_LOOPS, alive
 
@@ -387,3 +387,15 @@ async def test_a_worker_runs_openmp_though_this_process_ran_it_in_threads() -> N
         assert os.getpid() not in pids
     finally:
         await pool.aclose()
+
+
+async def test_a_worker_already_reaped_gets_no_signal(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Its pid may be another process's by now: _kill stopped it, and killed its children
+    # (found by review).
+    process = multiprocessing.get_context("fork").Process(target=os._exit, args=(0,))
+    process.start()
+    process.join()
+    sent: list[tuple[int, int]] = []
+    monkeypatch.setattr(os, "kill", lambda pid, sig: sent.append((pid, sig)))
+    _kill(process)
+    assert sent == []

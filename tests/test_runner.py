@@ -705,12 +705,17 @@ async def test_an_env_made_after_chronics_were_added_is_not_an_open_runners(
     folder = tmp_path / "case14"
     shutil.copytree(Path(grid2op.__file__).parent / "data" / "l2rpn_case14_sandbox", folder)
     first = quiet(grid2op.make, str(folder), backend=LightSimBackend())
+    saved = tmp_path / "saved"
     async with AsyncRunner(first, agent=DoNothingAgent, workers=1) as held:
-        await held.run(1, max_iter=2)
+        await held.run(1, max_iter=2, path_save=saved)
         shutil.copytree(folder / "chronics" / "0000", folder / "chronics" / "0003")
         second = quiet(grid2op.make, str(folder), backend=LightSimBackend())
         async with AsyncRunner(second, agent=DoNothingAgent, workers=1) as runner:
             (result,) = await runner.run(1, episode_id=[3], max_iter=2)
+            # The episode saved before the chronic was added is the same: resume keeps it
+            # (found by review: it was played again, into 0000_1).
+            await runner.run(1, max_iter=2, path_save=saved, resume=True)
         second.close()
     first.close()
     assert (result.error, result.name) == (None, "0003")
+    assert sorted(p.name for p in saved.iterdir() if p.is_dir()) == ["0000"]

@@ -318,7 +318,7 @@ def hold(
                 (
                     c.pristine
                     for c, _ in _HELD.values()
-                    if c.recipe.env_key == recipe.env_key
+                    if (c.recipe.env_key, c.recipe.chronics) == (recipe.env_key, recipe.chronics)
                     and not c.lent  # its lender may close it before this hold ends
                     and copies_faithfully(c.pristine)
                 ),

@@ -49,6 +49,10 @@ class Recipe:
     agent: Any
     classes: tuple[type, ...] = ()
     env_key: str = ""
+    # The chronics the env found in its folder: an env made after chronics were added there or
+    # removed is not the one a runner still open holds for the same parameters (``_envs.hold``;
+    # not in ``env_key``, which saved episodes record for ``resume``).
+    chronics: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -260,14 +264,14 @@ def _env_part(source: Any) -> tuple[dict[str, Any], tuple[type, ...], str]:
             "the env cannot be sent to worker processes: its get_params_for_runner() "
             f"cannot be pickled ({type(exc).__name__}: {exc})"
         ) from exc
-    digest = hashlib.blake2b(blob, digest_size=16)
-    # The chronics it found in its folder: an env made after chronics were added or removed
-    # there is not the one a runner still open holds for the same parameters (``_envs.hold``).
+    return params, classes, hashlib.blake2b(blob, digest_size=16).hexdigest()
+
+
+def _chronics(source: Any) -> tuple[str, ...]:
+    """The chronics ``source`` found in its folder (``Recipe.chronics``)."""
     real = getattr(getattr(source, "chronics_handler", None), "real_data", None)
-    found = getattr(real, "subpaths", None)
-    if found is not None:
-        digest.update(repr(sorted(map(str, found))).encode())
-    return params, classes, digest.hexdigest()
+    found = getattr(real, "subpaths", None)  # (a numpy array)
+    return () if found is None else tuple(sorted(map(str, found)))
 
 
 def env_key(source: Any) -> str:
@@ -290,7 +294,7 @@ def recipes(
     made: dict[str | None, tuple[str, bytes]] = {}
     for mix, source in sources.items():
         params, classes, key = _env_part(source)
-        recipe = Recipe(params, kind, payload, classes, key)
+        recipe = Recipe(params, kind, payload, classes, key, _chronics(source))
         try:
             blob, named = _dumps_named(recipe, main_by_value=main_by_value)
         except Exception as exc:

@@ -133,7 +133,10 @@ def _end_children() -> None:
 
 def _kill(process: Any) -> None:
     """Kill a worker process and the processes it started (an agent's, which would outlive it):
-    stopped first, so that it starts no other meanwhile."""
+    stopped first, so that it starts no other meanwhile. Not one already reaped (``exitcode``
+    reaps a dead one): its pid may be another process's now."""
+    if process.exitcode is not None:
+        return
     with contextlib.suppress(OSError):
         os.kill(process.pid, signal.SIGSTOP)
     for pid in _descendants(process.pid):

@@ -153,12 +153,7 @@ def call(
         raise cause from exc
     finally:
         if not keep:
-            # As grid2op's Runner, which builds an env for each run: the next call builds its
-            # own (the env's folder may have changed meanwhile: chronics added, removed).
-            try:
-                session.close()
-            finally:
-                runner.close()
+            session.close()
 
 
 def _original(failure: EpisodeFailed) -> Exception | None:

@@ -441,9 +441,12 @@ class Runner(_GridRunner):  # type: ignore[misc]  # grid2op is untyped (Any base
 
     def _ar_template(self) -> Any:
         """The env this process keeps for the runs: chronic names and spaces (grid2op's
-        constructor's; built here where it built none)."""
-        if self._ar_env is None:
-            with warnings.catch_warnings():
+        constructor's; built here where it built none). Outside a ``with`` block, a new one
+        where chronics were added to its folder or removed since it was built: grid2op's
+        Runner builds an env at each run, which finds them (the one replaced is closed with
+        the runner: another thread's run may be using it)."""
+        if self._ar_env is None or (not self._ar_keep and _chronics_changed(self._ar_env)):
+            with exclusive(), parsing_once(), warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 self._ar_env, _ = self._new_env(self.parameters)
             self._ar_note_env()
@@ -459,6 +462,23 @@ class Runner(_GridRunner):  # type: ignore[misc]  # grid2op is untyped (Any base
                 self._ar_env_key = env_key(env_view(self, self._ar_env))
             except TypeError:  # parameters that cannot be pickled: the runs say so
                 self._ar_env_key = None
+
+
+def _chronics_changed(env: Any) -> bool:
+    """Whether the chronics folder of ``env`` (a multifolder's) lists other chronics now."""
+    real = getattr(env.chronics_handler, "real_data", None)
+    found, folder = getattr(real, "subpaths", None), getattr(real, "path", None)
+    if found is None or not isinstance(folder, str):
+        return False
+    try:
+        now = {  # as grid2op's Multifolder lists them
+            e.name
+            for e in os.scandir(folder)
+            if e.is_dir() and e.name != "__pycache__" and not e.name.startswith(".")
+        }
+    except OSError:
+        return False  # the run says what is wrong with it
+    return now != {os.path.basename(str(path)) for path in found}
 
 
 def _free_env(env: Any) -> None:
