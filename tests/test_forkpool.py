@@ -38,12 +38,14 @@ def cancelled() -> None:
     raise asyncio.CancelledError("the called code's own")
 
 
-def has_a_child() -> int | None:
-    """A process of its own (an agent's multiprocessing pool): daemonic processes may not."""
+def has_a_child() -> bool:
+    """Starts a process of its own (an agent's multiprocessing pool): a daemonic process may
+    not. (Whether it exits 0 is not this test's: under coverage with warnings as errors, as the
+    CI runs, coverage's own warning at its exit fails it.)"""
     child = multiprocessing.get_context("fork").Process(target=time.sleep, args=(0,))
     child.start()
     child.join()
-    return child.exitcode
+    return child.exitcode is not None
 
 
 _KEPT: list[Any] = []
@@ -167,7 +169,7 @@ async def test_an_error_comes_back_and_the_worker_stays() -> None:
     # Raised here, a CancelledError would look like the cancellation of the caller's task.
     with pytest.raises(RuntimeError, match="raised CancelledError: the called code's own"):
         await pool.call(cancelled)
-    assert await pool.call(has_a_child) == 0
+    assert await pool.call(has_a_child)
     assert (await pool.call(pid_plus, 0))[0] == pid
     await pool.aclose()
 
