@@ -219,16 +219,20 @@ async def test_workers_reaped_by_another_stop_cleanly() -> None:
         signal.signal(signal.SIGCHLD, previous)
 
 
-async def test_a_cancelled_call_kills_its_worker(tmp_path: Any) -> None:
-    pool = ForkPool(anyio.CapacityLimiter(2))
-    marker = tmp_path / "pid"
+async def _cancelled_once_noted(pool: ForkPool, fn: Any, marker: Any) -> int:
+    """Call ``fn(marker)`` in ``pool``, cancel the call once it wrote a pid there: that pid."""
     async with anyio.create_task_group() as group:
-        group.start_soon(pool.call, sleeps, str(marker))
+        group.start_soon(pool.call, fn, str(marker))
         with anyio.fail_after(30):
             while not marker.exists() or not marker.read_text():  # noqa: ASYNC110
                 await anyio.sleep(0.01)
-        group.cancel_scope.cancel()
-    pid = int(marker.read_text())
+        group.cancel_scope.cancel()  # kills the worker
+    return int(marker.read_text())
+
+
+async def test_a_cancelled_call_kills_its_worker(tmp_path: Any) -> None:
+    pool = ForkPool(anyio.CapacityLimiter(2))
+    pid = await _cancelled_once_noted(pool, sleeps, tmp_path / "pid")
     assert not alive(pid)
     assert pool.pids == set()
     await pool.aclose()
@@ -244,14 +248,7 @@ async def test_processes_an_agent_left_end_with_its_worker(tmp_path: Any) -> Non
         await pool.aclose()
     assert not alive(helper)
     pool = ForkPool(anyio.CapacityLimiter(1))
-    marker = tmp_path / "pid"
-    async with anyio.create_task_group() as group:
-        group.start_soon(pool.call, keeps_a_child_then_sleeps, str(marker))
-        with anyio.fail_after(30):
-            while not marker.exists() or not marker.read_text():  # noqa: ASYNC110
-                await anyio.sleep(0.01)
-        group.cancel_scope.cancel()  # kills the worker
-    helper = int(marker.read_text())
+    helper = await _cancelled_once_noted(pool, keeps_a_child_then_sleeps, tmp_path / "pid")
     with anyio.fail_after(5):
         while alive(helper):  # noqa: ASYNC110 - another process's state
             await anyio.sleep(0.01)
