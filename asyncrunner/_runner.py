@@ -6,7 +6,6 @@ import asyncio
 import concurrent.futures
 import contextvars
 import inspect
-import json
 import math
 import numbers
 import os
@@ -30,7 +29,7 @@ from ._engine._parsed import ParsedAhead
 from ._engine._pool import WorkerPool
 from ._engine._recipe import agent_name, agent_recipe, class_attributes, env_key, recipes
 from ._exceptions import AsyncRunnerError, EpisodeError, unwrapped
-from ._model import EpisodeResult, Event, ReadOnly
+from ._model import EpisodeResult, Event, ParsedJson, ReadOnly
 from ._plan._arguments import at_least, chronic_names
 from ._plan._mixes import mixes_of
 from ._plan._planner import plan_run
@@ -511,7 +510,7 @@ class AsyncRunner(AsyncResource):
             "saved (path_save; run again with resume=True in a new runner to play the rest)"
         )
 
-    async def _spaces(self) -> tuple[dict[str, Any], Mapping[str, bytes]]:
+    async def _spaces(self) -> tuple[Mapping[str, Any], Mapping[str, bytes]]:
         """A saving run's spaces: dicts of its own (``RunStarted.spaces``: a sink changing
         them changed the files of every later run), and the files, encoded once (10 ms for a
         large grid's four)."""
@@ -522,12 +521,7 @@ class AsyncRunner(AsyncResource):
                 return {name: json_bytes(space.cls_to_dict()) for name, space in spaces.items()}
 
             self._space_files = await anyio.to_thread.run_sync(build)
-        files = self._space_files
-
-        def read() -> dict[str, Any]:
-            return {name: json.loads(data) for name, data in files.items()}
-
-        return await anyio.to_thread.run_sync(read), ReadOnly(files)
+        return ParsedJson(self._space_files), ReadOnly(self._space_files)
 
     # --- runs ----------------------------------------------------------------------------------
 
