@@ -9,6 +9,7 @@ import gc
 import multiprocessing
 import os
 import signal
+import subprocess
 import threading
 import time
 from typing import Any
@@ -51,21 +52,29 @@ def has_a_child() -> bool:
 _KEPT: list[Any] = []
 
 
-def keeps_a_child(daemon: bool) -> int:
-    """Starts a process (an agent's helper) and leaves it running."""
+def keeps_a_family(daemon: bool) -> list[int]:
+    """Starts processes (an agent's helpers) and leaves them running: a multiprocessing child,
+    its own ``subprocess`` child, and a ``subprocess`` child of this process."""
+    receive, send = multiprocessing.Pipe(duplex=False)
     child = multiprocessing.get_context("fork").Process(
-        target=time.sleep, args=(60,), daemon=daemon
+        target=starts_a_sleeper, args=(send,), daemon=daemon
     )
     child.start()
     _KEPT.append(child)
+    _KEPT.append(subprocess.Popen(["sleep", "60"]))
     assert child.pid is not None
-    return child.pid
+    return [child.pid, receive.recv(), _KEPT[-1].pid]
 
 
-def keeps_a_child_then_sleeps(path: str) -> None:
-    pid = keeps_a_child(daemon=True)
+def starts_a_sleeper(send: Any) -> None:
+    send.send(subprocess.Popen(["sleep", "60"]).pid)
+    time.sleep(60)
+
+
+def keeps_a_family_then_sleeps(path: str) -> None:
+    pids = keeps_a_family(daemon=True)
     with open(path, "w") as f:
-        f.write(str(pid))
+        f.write(" ".join(map(str, pids)))
     time.sleep(60)
 
 
@@ -219,20 +228,20 @@ async def test_workers_reaped_by_another_stop_cleanly() -> None:
         signal.signal(signal.SIGCHLD, previous)
 
 
-async def _cancelled_once_noted(pool: ForkPool, fn: Any, marker: Any) -> int:
-    """Call ``fn(marker)`` in ``pool``, cancel the call once it wrote a pid there: that pid."""
+async def _cancelled_once_noted(pool: ForkPool, fn: Any, marker: Any) -> list[int]:
+    """Call ``fn(marker)`` in ``pool``, cancel the call once it wrote pids there: those."""
     async with anyio.create_task_group() as group:
         group.start_soon(pool.call, fn, str(marker))
         with anyio.fail_after(30):
             while not marker.exists() or not marker.read_text():  # noqa: ASYNC110
                 await anyio.sleep(0.01)
         group.cancel_scope.cancel()  # kills the worker
-    return int(marker.read_text())
+    return [int(pid) for pid in marker.read_text().split()]
 
 
 async def test_a_cancelled_call_kills_its_worker(tmp_path: Any) -> None:
     pool = ForkPool(anyio.CapacityLimiter(2))
-    pid = await _cancelled_once_noted(pool, sleeps, tmp_path / "pid")
+    (pid,) = await _cancelled_once_noted(pool, sleeps, tmp_path / "pid")
     assert not alive(pid)
     assert pool.pids == set()
     await pool.aclose()
@@ -241,16 +250,18 @@ async def test_a_cancelled_call_kills_its_worker(tmp_path: Any) -> None:
 async def test_processes_an_agent_left_end_with_its_worker(tmp_path: Any) -> None:
     # Its workers no longer daemonic (an agent may start processes), a worker's exit waited for
     # a helper the agent kept (the pool's close took its grace, 5 s per worker), and a killed
-    # worker's helpers outlived it (found by review).
+    # worker's helpers outlived it (found by review); at a worker's end, a subprocess child and
+    # a child of a multiprocessing child outlived it (found by review).
     pool = ForkPool(anyio.CapacityLimiter(1))
-    helper = await pool.call(keeps_a_child, False)
+    helpers = await pool.call(keeps_a_family, False)
+    assert all(alive(pid) for pid in helpers)
     with anyio.fail_after(3):
         await pool.aclose()
-    assert not alive(helper)
+    assert not any(alive(pid) for pid in helpers)
     pool = ForkPool(anyio.CapacityLimiter(1))
-    helper = await _cancelled_once_noted(pool, keeps_a_child_then_sleeps, tmp_path / "pid")
+    helpers = await _cancelled_once_noted(pool, keeps_a_family_then_sleeps, tmp_path / "pid")
     with anyio.fail_after(5):
-        while alive(helper):  # noqa: ASYNC110 - another process's state
+        while any(alive(pid) for pid in helpers):  # noqa: ASYNC110 - other processes' state
             await anyio.sleep(0.01)
     await pool.aclose()
 

@@ -28,6 +28,7 @@ import queue
 import signal
 import socket
 import threading
+import time
 import traceback
 import warnings
 import weakref
@@ -119,30 +120,62 @@ def _answer(sock: socket.socket) -> None:
 
 
 def _end_children() -> None:
-    """Stop the processes an agent started with multiprocessing and left running: this worker's
-    exit would wait for them (multiprocessing joins those that are not daemonic)."""
-    children = multiprocessing.active_children()
-    for child in children:
-        child.terminate()
-    for child in children:
-        child.join(1.0)
-        if child.exitcode is None:
-            child.kill()
-            child.join()
+    """Kill the processes an agent started and left running (with multiprocessing: this
+    worker's exit would wait for those that are not daemonic; or a ``subprocess`` child, a
+    child of one of those: they would outlive it), each stopped first, as ``_kill`` does: a
+    process whose parent ended first would no longer be found under this worker."""
+    for pid in _stopped_below(os.getpid()):
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+    for child in multiprocessing.active_children():
+        child.join()
 
 
 def _kill(process: Any) -> None:
     """Kill a worker process and the processes it started (an agent's, which would outlive it):
-    stopped first, so that it starts no other meanwhile. Not one already reaped (``exitcode``
-    reaps a dead one): its pid may be another process's now."""
+    each stopped first, so that none starts another meanwhile. Not one already reaped
+    (``exitcode`` reaps a dead one): its pid may be another process's now."""
     if process.exitcode is not None:
         return
     with contextlib.suppress(OSError):
         os.kill(process.pid, signal.SIGSTOP)
-    for pid in _descendants(process.pid):
+    _wait_stopped([process.pid])
+    for pid in _stopped_below(process.pid):
         with contextlib.suppress(OSError):
             os.kill(pid, signal.SIGKILL)
     process.kill()
+
+
+def _stopped_below(pid: int) -> list[int]:
+    """The processes under ``pid``, each stopped (``SIGSTOP``) as it is found: listed again,
+    each time once those found are stopped, until a listing finds no other (a process stopping
+    at that moment may have started one; a stopped one starts none)."""
+    found: list[int] = []
+    while new := [p for p in _descendants(pid) if p not in found]:
+        for p in new:
+            with contextlib.suppress(OSError):
+                os.kill(p, signal.SIGSTOP)
+        _wait_stopped(new)
+        found += new
+    return found
+
+
+def _wait_stopped(pids: list[int], timeout: float = 0.5) -> None:
+    """Wait until each of ``pids`` is stopped or gone (a signal takes effect a moment after it
+    is sent), at most ``timeout`` seconds in all."""
+    deadline = time.monotonic() + timeout
+    for pid in pids:
+        while _state(pid) not in "TtZX" and time.monotonic() < deadline:
+            time.sleep(0.001)
+
+
+def _state(pid: int) -> str:
+    """Process ``pid``'s state letter, as Linux lists it ("X" where it is gone or unlisted)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return "X"
 
 
 def _descendants(pid: int) -> list[int]:
