@@ -11,6 +11,7 @@ wrapped.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -43,7 +44,7 @@ class EpisodeError(AsyncRunnerError):
 
     def __reduce__(self) -> tuple[Any, ...]:
         # (pickled by a process pool, a Dask task...: rebuilt with its failure and results)
-        return type(self), (self.failure, self.results)
+        return type(self), (self.failure, _portable(self.results))
 
 
 class SinkError(AsyncRunnerError):
@@ -61,7 +62,16 @@ class SinkError(AsyncRunnerError):
     def __reduce__(self) -> tuple[Any, ...]:
         # The sink, a live object of the process that ran the run (a lock, an open file...),
         # does not go along.
-        return type(self), (str(self), self.results)
+        return type(self), (str(self), _portable(self.results))
+
+
+def _portable(results: list[EpisodeResult]) -> list[EpisodeResult]:
+    """``results`` without their ``episode_data``, for another process: grid2op's objects in it
+    are of classes grid2op makes at run time, which another process cannot load (it failed the
+    process pool that ran the run: ``BrokenProcessPool`` instead of this error)."""
+    return [
+        r if r.episode_data is None else dataclasses.replace(r, episode_data=None) for r in results
+    ]
 
 
 class WorkerChannelError(AsyncRunnerError):

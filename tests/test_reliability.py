@@ -42,6 +42,7 @@ from .helpers import (
     BOTH_LOOPS,
     alive,
     children,
+    run_code,
     run_script,
     starts,
     wait_dead,
@@ -208,12 +209,14 @@ async def test_an_odd_exception_is_reported_as_raised(env: Any, agent: Any, mess
 async def test_agent_error_raise_carries_finished_results(env: Any, tmp_path: Any) -> None:
     async with AsyncRunner(env, agent=FailsAtStep5, workers=1) as runner:
         with pytest.raises(EpisodeError, match="agent broke at step 5") as info:
-            await runner.run(**KWARGS, path_save=tmp_path)
+            await runner.run(**KWARGS, path_save=tmp_path / "saved", add_detailed_output=True)
     assert info.value.failure.index == 1
     assert [r.index for r in info.value.results] == [0]  # one worker: episode 2 never started
     assert info.value.results[0].nb_time_step == 20
+    assert info.value.results[0].episode_data is not None
     # A run in a process pool (or a Dask task) raises it in its caller: it pickles (it did not:
-    # the pool broke), with what it carries.
+    # the pool broke), with what it carries, but grid2op's EpisodeData: its objects' classes are
+    # made at run time, and another process cannot load them (the pool broke again).
     again = pickle.loads(pickle.dumps(info.value))
     assert (str(again), again.failure, again.results) == (
         str(info.value),
@@ -222,6 +225,17 @@ async def test_agent_error_raise_carries_finished_results(env: Any, tmp_path: An
     )
     sink_error = pickle.loads(pickle.dumps(SinkError("a sink failed", info.value.results, Sink)))
     assert (str(sink_error), sink_error.results) == ("a sink failed", info.value.results)
+    for error in (info.value, sink_error):
+        (tmp_path / "error").write_bytes(pickle.dumps(error))
+        loaded = run_code(
+            "import pickle; e = pickle.load(open('error', 'rb')); "
+            "print(type(e).__name__, [(r.nb_time_step, r.episode_data) for r in e.results])".replace(
+                "'error'", repr(str(tmp_path / "error"))
+            )
+        )
+        assert loaded.stdout.split("\n")[-2:] == [f"{type(error).__name__} [(20, None)]", ""], (
+            loaded.stderr
+        )
 
 
 async def test_killed_worker_is_replaced_and_episode_retried(env: Any) -> None:
