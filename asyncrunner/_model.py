@@ -133,9 +133,11 @@ class EpisodeStarted:
     parameters: Mapping[str, Any] = field(repr=False)
     meta: Mapping[str, Any] = field(repr=False)
     other_reward_names: tuple[str, ...] = ()
-    # What was requested (for ``resume``), and what grid2op's CompactEpisodeData records.
+    # What was requested (for ``resume``; ``reset``: the reset options and initial state as one
+    # string, None for none), and what grid2op's CompactEpisodeData records.
     episode_id: int | str | None = None
     max_iter: int | None = None
+    reset: str | None = None
     max_episode_duration: int = 0
     action_space_seed: int | None = None
     mix: str | None = None

@@ -190,6 +190,35 @@ async def test_resume_plays_another_envs_episodes(
     assert back.indices == [] and [r.path for r in resumed] == [r.path for r in first]
 
 
+async def test_resume_plays_episodes_reset_otherwise(runner: AsyncRunner, tmp_path: Path) -> None:
+    # The reset options and initial state were not compared: an episode saved with
+    # reset_options={"max step": 5} was read back for one asked with "max step": 20, its 5 steps
+    # and reward returned (found by a hunt).
+    kwargs = {k: v for k, v in KWARGS.items() if k != "max_iter"}
+    resets: list[dict[str, Any]] = [
+        {"reset_options": {"max step": 5}},
+        {"reset_options": {"max step": 8}},
+        {"reset_options": {"max step": 5}, "init_states": {"set_bus": {"lines_or_id": [(0, 1)]}}},
+        {"max_iter": 5, "reset_options": {"max step": 8}},  # max_iter wins over "max step"
+    ]
+    runs = []
+    with anyio.fail_after(TIMEOUT):
+        for reset in resets:
+            started = Started()
+            played = await runner.run(
+                2, path_save=tmp_path, resume=True, sinks=[CallbackSink(started)], **kwargs, **reset
+            )
+            again = Started()
+            resumed = await runner.run(
+                2, path_save=tmp_path, resume=True, sinks=[CallbackSink(again)], **kwargs, **reset
+            )
+            assert sorted(started.indices) == [0, 1] and again.indices == []
+            assert [r.as_tuple() for r in resumed] == [r.as_tuple() for r in played]
+            runs.append([r.nb_time_step for r in played])
+    assert runs == [[5, 5], [8, 8], [5, 5], [5, 5]]
+    assert len(EpisodeData.list_episode(str(tmp_path))) == 8
+
+
 # --- 8. leftovers of a killed run ------------------------------------------------------------
 
 _BLOCKED_RUN = """

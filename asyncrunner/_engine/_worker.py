@@ -26,6 +26,7 @@ import numpy as np
 
 from .._exceptions import text_of
 from .._model import EpisodeFailed, EpisodeFinished, EpisodeStarted
+from .._plan._layout import reset_key
 from ..sinks._buffer import EpisodeBuffer
 from ..sinks._files import episode_files
 from . import _channel
@@ -343,6 +344,7 @@ def _started(
         other_reward_names=names,
         episode_id=job.episode_id,
         max_iter=job.max_iter,
+        reset=reset_key(job.max_iter, job.init_state, job.reset_options),
         max_episode_duration=int(env.max_episode_duration()),
         action_space_seed=env.action_space.seed_used,
         mix=job.mix,

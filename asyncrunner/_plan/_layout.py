@@ -8,6 +8,7 @@ the results read back from a folder.
 from __future__ import annotations
 
 import ctypes
+import datetime
 import errno
 import hashlib
 import json
@@ -22,12 +23,14 @@ from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import numpy as np
+
 if sys.platform != "win32":
     import resource
 
 from .._model import EpisodeRequest, EpisodeResult
 
-__all__ = ["damage", "resume_plan", "saved_episodes", "sync"]
+__all__ = ["damage", "reset_key", "resume_plan", "saved_episodes", "sync"]
 
 # The run-level files grid2op writes once at the top of ``path_save`` (keys of RunStarted.spaces).
 SPACE_FILES = (
@@ -207,6 +210,41 @@ def _fsync(path: str) -> None:
         os.close(fd)
 
 
+def reset_key(max_iter: int | None, init_state: Any, reset_options: Any) -> str | None:
+    """What an episode's reset is given beyond its chronic, seeds and ``max_iter``, as one string
+    (``None``: nothing), recorded with the episode for ``resume``: the reset options as grid2op's
+    Runner passes them to ``env.reset`` ("time serie id" left out: the chronic is compared on its
+    own; "max step" too when ``max_iter`` overrides it), the initial state in "init state"."""
+    options = dict(reset_options or {})
+    options.pop("time serie id", None)
+    if max_iter is not None:
+        options.pop("max step", None)
+    if init_state is not None:
+        options["init state"] = init_state
+    if not options:
+        return None
+    return json.dumps(_plain(options), sort_keys=True)
+
+
+def _plain(value: Any) -> Any:
+    """``value`` as JSON values: an action as its ``as_serializable_dict()``, an array as lists,
+    a date as ISO text, anything else unknown as its ``repr``."""
+    if isinstance(value, Mapping):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple | np.ndarray):
+        return [_plain(v) for v in value]
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, datetime.date):
+        return value.isoformat()
+    if value is None or isinstance(value, str | int | float):
+        return value
+    serializable = getattr(value, "as_serializable_dict", None)
+    if callable(serializable):
+        return _plain(serializable())
+    return repr(value)
+
+
 def _episode_key(episode_id: Any, name: str | None, names: list[str] | None) -> Any:
     if names is None:
         return episode_id
@@ -292,9 +330,9 @@ def resume_plan(
     """Split ``requests`` into those still to play and results read back from ``path``.
 
     A request is complete when a folder in ``path`` saved the same chronic with the same agent,
-    env (``env``: its ``Recipe.env_key``, everything it is made with), env seed, agent seed and
-    ``max_iter`` (``init_states`` / ``reset_options`` are not compared), and each of its files
-    is as written (size and sha256 in its record). Each
+    env (``env``: its ``Recipe.env_key``, everything it is made with), env seed, agent seed,
+    ``max_iter`` and reset options and initial state (``reset_key``), and each of its files is
+    as written (size and sha256 in its record). Each
     folder stands for one request at most (a chronic requested twice needs two folders). A
     matching folder whose files are damaged is moved into ``path/.asyncrunner-broken/`` (with a
     warning) and its episode plays again. Reads every matching file: call it off the event loop.
@@ -309,6 +347,7 @@ def resume_plan(
             record.get("env_seed"),
             record.get("agent_seed"),
             record.get("max_iter"),
+            record.get("reset"),
         )
         pool.setdefault(key, []).append((folder, record))
     todo: list[EpisodeRequest] = []
@@ -321,6 +360,7 @@ def resume_plan(
             request.env_seed,
             request.agent_seed,
             request.max_iter,
+            reset_key(request.max_iter, request.init_state, request.reset_options),
         )
         found = _intact(path, pool.get(key, []))
         if found is None:

@@ -121,6 +121,7 @@ def episode_data_files(
         "env_seed": started.env_seed,
         "agent_seed": started.agent_seed,
         "max_iter": started.max_iter,
+        "reset": started.reset,
         "nb_highres_sim": int(finished.nb_highres_sim),
         "run_id": started.run_id,
         "index": started.index,
