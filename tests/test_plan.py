@@ -44,23 +44,38 @@ def test_bad_arguments(kwargs: dict[str, Any], error: type[Exception], message: 
 
 
 def test_requests_follow_grid2op_conventions() -> None:
-    requests = plan_episodes(
-        4,
-        names=NAMES,
-        max_iter=-1,
-        env_seeds=[1, 2, 3, 4],
-        reset_options={"time serie id": 2, "max step": 7},
-    )
+    with pytest.warns(UserWarning, match="ignore the `max step` of the `reset_options`"):
+        requests = plan_episodes(
+            4,
+            names=NAMES,
+            max_iter=-1,
+            env_seeds=[1, 2, 3, 4],
+            reset_options={"time serie id": 2, "max step": 7},
+        )
     # -1 stays -1 (grid2op resets with "max step": -1: no limit, and max_episode_duration() -1,
     # where no max_iter leaves the chronic's); "time serie id" in reset_options picks the chronic
-    # when no id is given.
+    # when no id is given; max_iter wins over "max step", as in grid2op's Runner.
     assert [(r.episode_id, r.max_iter, r.env_seed) for r in requests] == [
         (2, -1, 1),
         (2, -1, 2),
         (2, -1, 3),
         (2, -1, 4),
     ]
-    assert requests[0].reset_options == {"max step": 7}
+    assert requests[0].reset_options == {}
+    # What grid2op's Runner overrides is not checked: an invalid value was refused (found by a
+    # hunt), grid2op plays the episode.
+    with (
+        pytest.warns(UserWarning, match="ignore the `init state`"),
+        pytest.warns(UserWarning, match="ignore the `max step`"),
+    ):
+        (request,) = plan_episodes(
+            1,
+            names=NAMES,
+            max_iter=3,
+            init_states={"set_line_status": [(0, -1)]},
+            reset_options={"max step": 0, "init state": {"no such key": 1}},
+        )
+    assert (request.max_iter, request.reset_options) == (3, {})
     plain = plan_episodes(4, names=NAMES, episode_id=None)
     assert [r.episode_id for r in plain] == [0, 1, 2, 0]  # chronics in turn, wrapping around
     named = plan_episodes(2, names=None, episode_id=["0001", 5])

@@ -114,6 +114,13 @@ def _whole(value: Any) -> int | None:
     return number if number == value else None
 
 
+_OVERRIDDEN = (
+    "You provided both `{arg}` and the key `'{key}'` is present in the provided "
+    "`reset_options`. In this case, grid2op will ignore the `{key}` of the `reset_options` and "
+    "keep the value in `{arg}`."
+)
+
+
 def _check_reset_values(opts: dict[str, Any]) -> None:
     """The checks grid2op's ``env.reset`` makes of these options, before any work starts."""
     if "init ts" in opts:
@@ -202,8 +209,15 @@ def plan_episodes(
                 raise ValueError(
                     f"`reset_options` has unknown keys {unknown}; grid2op accepts {list(_RESET_KEYS)}"
                 )
-            _check_reset_values(opts)
             opts = dict(opts)
+            # grid2op's Runner overrides these (aux_fun.py, with these warnings): never checked
+            if max_iter is not None and "max step" in opts:
+                del opts["max step"]
+                warnings.warn(_OVERRIDDEN.format(arg="max_iter", key="max step"), stacklevel=3)
+            if states[i] is not None and "init state" in opts:
+                del opts["init state"]
+                warnings.warn(_OVERRIDDEN.format(arg="init_state", key="init state"), stacklevel=3)
+            _check_reset_values(opts)
         ep_id: Any = ids[i]
         if ep_id is None:
             # grid2op plays chronic i (wrapping around); "time serie id" in reset_options wins.
