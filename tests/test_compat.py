@@ -22,6 +22,7 @@ import pytest
 from grid2op.Agent import BaseAgent, DoNothingAgent
 from grid2op.Environment import MaskedEnvironment, TimedOutEnvironment
 from grid2op.Episode import CompactEpisodeData, EpisodeData
+from grid2op.Exceptions import Grid2OpException
 from grid2op.Reward import BaseReward, L2RPNReward
 from grid2op.Runner import Runner as GridRunner
 
@@ -472,6 +473,9 @@ def runners(env: Any) -> Iterator[tuple[Any, compat.Runner]]:
         dict(nb_episode=1, reset_options={"max step": 0}),
         dict(nb_episode=1, max_iter=3, reset_options={"init ts": 0}),
         dict(nb_episode=1, max_iter=3, reset_options={"init ts": "abc"}),
+        # (asyncrunner's ValueError before: found by a hunt)
+        dict(nb_episode=1, max_iter=3, reset_options={"init datetime": "2024/01/01"}),
+        dict(nb_episode=1, max_iter=3, reset_options={"init datetime": 20240101}),
     ],
 )
 def test_bad_arguments_raise_grid2op_errors(
@@ -484,6 +488,20 @@ def test_bad_arguments_raise_grid2op_errors(
         quiet(ours.run, **kwargs)
     assert str(raised.value) == str(expected.value)
     assert ours._ar_session is None  # failed before any worker started
+
+
+def test_a_bad_thermal_limit_raises_a_grid2op_error(runners: tuple[Any, compat.Runner]) -> None:
+    # asyncrunner's ValueError, which `except Grid2OpException` did not catch (found by a hunt);
+    # the message is the async core's.
+    theirs, ours = runners
+    for limit in ([100.0, 100.0], {"no such line": 100.0}):
+        kwargs: dict[str, Any] = dict(
+            nb_episode=1, max_iter=3, reset_options={"thermal limit": limit}
+        )
+        with pytest.raises(Grid2OpException):
+            grid2ops(theirs.run, **kwargs)
+        with pytest.raises(Grid2OpException, match="thermal limit"):
+            quiet(ours.run, **kwargs)
 
 
 def test_a_pbar_that_is_no_bar(runners: tuple[Any, compat.Runner], tmp_path: Path) -> None:

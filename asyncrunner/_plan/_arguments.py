@@ -15,7 +15,13 @@ import numpy as np
 
 from .._model import EpisodeRequest
 
-__all__ = ["check_with_env", "chronic_names", "init_state_action", "plan_episodes"]
+__all__ = [
+    "check_thermal_limit",
+    "check_with_env",
+    "chronic_names",
+    "init_state_action",
+    "plan_episodes",
+]
 
 # grid2op's limits: ``env.seed`` refuses seeds above int32's maximum ("Seed is too big"), and an
 # agent is seeded through numpy's ``RandomState`` (``BaseAgent.seed``), which takes 0 .. 2**32 - 1.
@@ -283,14 +289,14 @@ def check_with_env(requests: Sequence[EpisodeRequest], env_for: Callable[[Any], 
         env = env_for(request.mix)
         options = request.reset_options or {}
         if "thermal limit" in options:
-            _check_thermal_limit(options["thermal limit"], env)
+            check_thermal_limit(options["thermal limit"], env)
         for state in (request.init_state, options.get("init state")):
             if state is not None and (id(state), request.mix) not in seen:
                 seen.add((id(state), request.mix))
                 _check_state(state, env)
 
 
-def _check_thermal_limit(value: Any, env: Any) -> None:
+def check_thermal_limit(value: Any, env: Any) -> None:
     # as grid2op's BaseEnv.set_thermal_limit
     lines = [str(name) for name in env.name_line]
     what = '`reset_options` "thermal limit"'

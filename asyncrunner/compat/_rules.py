@@ -7,6 +7,7 @@ from __future__ import annotations
 import numbers
 import os
 import warnings
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +16,12 @@ from grid2op.Action import BaseAction
 from grid2op.Exceptions import ChronicsError, EnvError, Grid2OpException
 
 from .._model import EpisodeResult
-from .._plan._arguments import MAX_ENV_SEED, chronic_names, init_state_action
+from .._plan._arguments import (
+    MAX_ENV_SEED,
+    check_thermal_limit,
+    chronic_names,
+    init_state_action,
+)
 
 KEY_TIME_SERIE_ID = "time serie id"
 # grid2op's warnings (grid2op/Runner/aux_fun.py), raised in the caller's thread.
@@ -218,6 +224,24 @@ def check_resets(env: Any, options: list[dict[str, Any] | None], init_states: li
             raise Grid2OpException(
                 f"In `env.reset` the kwargs `init ts` should be an int >= 1, found {option['init ts']}"
             )
+        if "init datetime" in option:
+            _check_datetime(option["init datetime"], env)
+        if "thermal limit" in option:
+            try:
+                check_thermal_limit(option["thermal limit"], env)
+            except ValueError as exc:  # (the async core's message, as grid2op's type)
+                raise Grid2OpException(str(exc)) from exc
+
+
+def _check_datetime(value: Any, env: Any) -> None:
+    """grid2op's ``GridValue.set_current_datetime`` checks, with its errors."""
+    if isinstance(value, str):
+        env.chronics_handler.real_data._datetime_from_str(value)
+    elif not isinstance(value, datetime):
+        raise Grid2OpException(
+            "Impossible to set the current date and time with your input. You have provided a "
+            f"string or a datetime.datetime object but provided {type(value)}."
+        )
 
 
 def env_seed(seed: Any) -> Any:
