@@ -68,13 +68,13 @@ class ReadOnly(Mapping[str, Any]):
         return f"ReadOnly({self._data!r})"
 
 
-class ParsedJson(Mapping[str, Any]):
+class ParsedJson(ReadOnly):
     """JSON files' content by name, each file parsed the first time it is read: dicts of this
     mapping's own (``RunStarted.spaces``; l2rpn_idf_2023's four spaces took 1.2 ms to parse at
     every saving run, which no writer reads)."""
 
     def __init__(self, files: Mapping[str, bytes]) -> None:
-        self._files = dict(files)
+        super().__init__(files)
         self._parsed: dict[str, Any] = {}
 
     def __getitem__(self, key: str) -> Any:
@@ -82,16 +82,10 @@ class ParsedJson(Mapping[str, Any]):
             return self._parsed[key]
         except KeyError:
             # (two threads reading at once both get the first dict kept)
-            return self._parsed.setdefault(key, json.loads(self._files[key]))
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._files)
-
-    def __len__(self) -> int:
-        return len(self._files)
+            return self._parsed.setdefault(key, json.loads(self._data[key]))
 
     def __repr__(self) -> str:
-        return f"ParsedJson({list(self._files)!r})"
+        return f"ParsedJson({list(self._data)!r})"
 
 
 @dataclass(frozen=True)
