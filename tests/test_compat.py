@@ -504,6 +504,60 @@ def test_a_bad_thermal_limit_raises_a_grid2op_error(runners: tuple[Any, compat.R
             quiet(ours.run, **kwargs)
 
 
+class PeriodicAgent(BaseAgent):  # type: ignore[misc]  # grid2op is untyped
+    """Changes the topology every 4 steps, its choice led by counters kept across episodes: its
+    step count (on the agent) and its episode count (on its class)."""
+
+    episodes = 0
+
+    def __init__(self, action_space: Any) -> None:
+        super().__init__(action_space)
+        topologies = action_space.get_all_unitary_topologies_set(action_space, sub_id=1)
+        self.actions = [action_space({}), *topologies[:4]]
+        self.steps = 0
+
+    def reset(self, obs: Any) -> None:
+        type(self).episodes += 1
+
+    def act(self, observation: Any, reward: Any, done: bool = False) -> Any:
+        self.steps += 1
+        if self.steps % 4:
+            return self.actions[0]
+        return self.actions[1 + (type(self).episodes + self.steps // 4) % 4]
+
+
+@pytest.mark.parametrize("kind", ["agentClass", "agentInstance"])
+def test_what_episodes_change_in_the_agent_carries_over_as_in_grid2op(env: Any, kind: str) -> None:
+    # grid2op plays each episode of one process on a shallow copy of the agent the episode
+    # before played, and builds the agents of a class in the process the class changes in: an
+    # agent counting its steps, or its episodes on its class, played other episodes than
+    # grid2op's (compat set the class's attributes again before each agent, and played copies
+    # of the instance itself) (found by a hunt). (With several processes, such an agent's
+    # results depend on which process plays which episode: grid2op deals them out in turn,
+    # compat to the first worker free.)
+    kwargs: dict[str, Any] = dict(
+        nb_episode=4,
+        nb_process=1,
+        env_seeds=[0, 1, 2, 3],
+        agent_seeds=[0, 1, 2, 3],
+        max_iter=20,
+        episode_id=[0, 1, 0, 1],
+    )
+    results = []
+    for make in (grid_runner, compat_runner):
+        PeriodicAgent.episodes = 0
+        if kind == "agentClass":
+            runner = make(env, agentClass=PeriodicAgent)
+        else:
+            runner = make(env, agentClass=None, agentInstance=PeriodicAgent(env.action_space))
+        played = (
+            grid2ops(runner.run, **kwargs) if make is grid_runner else quiet(runner.run, **kwargs)
+        )
+        results.append(sorted(head(played)))
+    assert results[0] == results[1]
+    assert len({r[3] for r in results[1]}) > 1  # the counters led to other episodes
+
+
 def test_a_pbar_that_is_no_bar(runners: tuple[Any, compat.Runner], tmp_path: Path) -> None:
     # It failed the run after its first episode (saved); grid2op's parallel runs ignore pbar,
     # its sequential ones refuse it before any episode.

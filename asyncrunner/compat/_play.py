@@ -22,7 +22,7 @@ from ._rules import (
     grid2op_tuple,
     reset_options_for_core,
 )
-from ._session import AgentClass, EnvView, Session
+from ._session import AgentClass, AgentCopies, EnvView, Session
 from ._sinks import ReplacingCompactWriter, ReplacingWriter, Sum64
 
 __all__ = ["call", "play"]
@@ -122,7 +122,11 @@ def call(
     kwargs = dict(kwargs)
     record = kwargs.pop("_record_steps", True)
     view = env_view(runner, runner._ar_template())
-    agent = AgentClass(runner.agentClass) if runner._useclass else runner.agent
+    agent: Any = runner.agent
+    if runner._useclass:
+        agent = AgentClass(runner.agentClass)
+    elif nb_process == 1:  # grid2op plays each episode on a copy of the one before
+        agent = AgentCopies(agent)
     keep = runner._ar_keep
     workers = nb_process if keep else min(nb_process, nb_episode)
     core = AsyncRunner(view, agent=agent, workers=workers)

@@ -31,12 +31,14 @@ Where it differs from grid2op's Runner:
   atomically: the episode's files are either the old episode's or the new one's, never a mix.
 - An agent instance (``agentInstance=``) is copied to the worker processes, as grid2op does with
   ``nb_process > 1``: what an episode changes in the agent does not reach the instance held here.
-  Each episode plays a shallow copy of the instance its worker received (grid2op copies, in each
-  of its processes, the copy the previous episode played): attributes an episode sets start
-  again at the next one, objects it changes in place (a list, actions grid2op builds as it
-  records them) are shared by the episodes of a worker, as by those of a grid2op process.
-  An agent class is built in the workers with the class attributes it has here (as in a forked
-  process: ``OneChangeThenNothing.gen_next(...)`` works).
+  As in grid2op, with ``nb_process=1`` each episode plays a shallow copy of the agent the episode
+  before played (attributes an episode sets carry over; across calls only inside ``with``), with
+  ``nb_process > 1`` a shallow copy of the instance its worker received (they start again);
+  objects an episode changes in place (a list, actions grid2op builds as it records them) are
+  shared by the episodes of a worker, as by those of a grid2op process. An agent class is built
+  in the workers with the class attributes it has here, set once per worker (as in a forked
+  process: ``OneChangeThenNothing.gen_next(...)`` works, and what its episodes set on the class
+  stays for the worker's next ones).
 - Workers build the env from the runner's parameters; what they cannot import (agents, solvers,
   chronics filters defined in a function or as lambdas) goes by value (cloudpickle). A subclass
   that overrides ``init_env``, ``_new_env`` or ``_make_new_backend``, or an agent that cannot be

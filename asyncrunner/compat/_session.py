@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import copy
 import functools
+import os
 import threading
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
@@ -11,7 +13,7 @@ from .._engine._recipe import class_attributes, dumps
 from .._model import EpisodeResult
 from .._runner import AsyncRunner
 
-__all__ = ["AgentClass", "EnvView", "Session"]
+__all__ = ["AgentClass", "AgentCopies", "EnvView", "Session"]
 
 T = TypeVar("T")
 
@@ -91,11 +93,31 @@ class AgentClass:
             except Exception:
                 continue
             self.state[name] = value
+        self._set_in: int | None = None  # the process the attributes were set in
 
     def __call__(self, action_space: Any) -> Any:
-        for name, value in self.state.items():
-            setattr(self.cls, name, value)
+        # Once per process, as a fork sees them: what its episodes set on the class then stays
+        # for its next ones, as in a grid2op process (set before each, a class's episode counter
+        # counted one episode only).
+        if self._set_in != os.getpid():
+            for name, value in self.state.items():
+                setattr(self.cls, name, value)
+            self._set_in = os.getpid()
         return self.cls(action_space)
+
+
+class AgentCopies:
+    """An agent instance as grid2op's Runner plays it in one process: each episode a shallow copy
+    of the agent the episode before played (``Runner.init_env`` keeps the copy it makes), so
+    that what an episode sets on its agent (``self.count += 1``) carries over to the next, in
+    the worker that plays them."""
+
+    def __init__(self, agent: Any) -> None:
+        self.agent = agent
+
+    def __call__(self, action_space: Any) -> Any:
+        self.agent = copy.copy(self.agent)
+        return self.agent
 
 
 class EnvView:
