@@ -167,7 +167,8 @@ class AsyncRunner(AsyncResource):
     """Plays grid2op episodes of ``agent`` on ``env`` in worker processes, from asyncio or trio.
 
     ``agent``: a ``BaseAgent`` subclass (built in the worker with the env's action space), an
-    instance (copied for each episode, as grid2op does) or a callable ``(action_space) -> agent``
+    instance (copied for each episode, as grid2op does with ``nb_process > 1``) or a callable
+    ``(action_space) -> agent``
     (a lambda or a class defined in a function too: what workers cannot import goes by value).
     ``workers``: episodes run at once (default: the CPUs this process may use; local processes:
     at most 64 per CPU, started as episodes need them). ``executor``: ``None`` for local
