@@ -4,6 +4,7 @@ library (its pool's limiter, locks and streams are that library's)."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import threading
 from typing import Any
 
@@ -21,11 +22,11 @@ def steps(results: Any) -> list[int]:
     return [r.nb_time_step for r in results]
 
 
-# asyncio.run closes the warm-up's calls it never started: "coroutine ... never awaited"
-@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 def test_a_runner_opened_in_one_asyncio_run_plays_in_the_next(env: Any) -> None:
     # The first loop ended before the warm-up's calls started (asyncio cancels them unstarted):
-    # the next loop's first calls waited for ever for those calls' workers.
+    # the next loop's first calls waited for ever for those calls' workers; and the calls never
+    # started were printed when collected ("coroutine 'WorkerPool._warm_one' was never
+    # awaited", anyio 4.16's tasks; found by a hunt: in another test, once collected later).
     runner = AsyncRunner(env, agent=DoNothingAgent, workers=2)
     asyncio.run(runner.__aenter__())
 
@@ -38,6 +39,7 @@ def test_a_runner_opened_in_one_asyncio_run_plays_in_the_next(env: Any) -> None:
     finally:
         asyncio.run(runner.aclose())
     assert not any(alive(pid) for pid in runner._pids)
+    gc.collect()  # (what was left unawaited is reported here, as this test's)
 
 
 def test_a_runner_refuses_a_second_loop_while_one_uses_it(env: Any) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, TypeVar
@@ -45,6 +46,26 @@ def _spawn(fn: Callable[..., Coroutine[Any, Any, None]], *args: Any) -> None:
     task = loop.create_task(fn(*args))
     _SPAWNED.add(task)
     task.add_done_callback(_SPAWNED.discard)
+
+
+async def _all(calls: list[Callable[[], Coroutine[Any, Any, None]]]) -> None:
+    """Run ``calls`` at once until each has ended. On asyncio as tasks of its own: anyio's (4.16)
+    left a call that the loop's end cancelled before it started never awaited ("coroutine ...
+    was never awaited", printed when it is collected: a loop opening the runner in one
+    ``asyncio.run``, its warm-up cancelled as that run ends)."""
+    try:
+        loop = asyncio.get_running_loop()
+    except RuntimeError:  # anyio's other backend
+        async with anyio.create_task_group() as group:
+            for call in calls:
+                group.start_soon(call)
+        return
+    tasks = [loop.create_task(call()) for call in calls]
+    try:
+        await asyncio.gather(*tasks)
+    finally:
+        for task in tasks:  # (the gather cancelled: cancelled too, not left running)
+            task.cancel()
 
 
 class WorkerDied(Exception):
@@ -130,9 +151,7 @@ class WorkerPool(ABC):
     ) -> None:
         try:
             with scope:
-                async with anyio.create_task_group() as group:
-                    for _ in range(count):
-                        group.start_soon(self._warm_one, ready, fn, args)
+                await _all([functools.partial(self._warm_one, ready, fn, args)] * count)
         finally:
             ended.set()
 
