@@ -13,10 +13,10 @@ import gc
 import os
 import pickle
 import threading
-import warnings
 from collections.abc import Callable
 from typing import Any
 
+from .._quiet import quiet
 from ._parsed import parsing_once
 from ._recipe import Recipe
 
@@ -70,8 +70,7 @@ class _Cached:
 
         # parsing_once: another env of the same grid (a score's other parametrisation) does
         # not parse the grid's file again.
-        with warnings.catch_warnings(), parsing_once():
-            warnings.simplefilter("ignore")
+        with quiet(), parsing_once():
             runner = OnceRunner(**self.recipe.params, agentClass=DoNothingAgent)
             built = getattr(runner, "built", None)
             return built if built is not None else runner._new_env(runner.parameters)[0]

@@ -45,6 +45,8 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from .._quiet import quiet
+
 __all__ = ["DISK_BYTES", "MAX_BYTES", "ParsedAhead", "cache_home", "parsing_once"]
 
 MAX_BYTES = 128 * 1024 * 1024
@@ -280,12 +282,9 @@ class ParsedAhead:
 
     def __init__(self, env: Any, resets: list[dict[str, Any]]) -> None:
         self._folder = tempfile.mkdtemp(prefix="asyncrunner-parsed-")
-        with warnings.catch_warnings():
-            # Python >= 3.12 warns when a multi-threaded process forks (this one runs in a
-            # thread): the helper is killed where it stands by ``join``, whatever it waits for.
-            warnings.filterwarnings(
-                "ignore", "This process .* is multi-threaded", DeprecationWarning
-            )
+        with quiet():
+            # (Python >= 3.12 warns when a multi-threaded process forks, as this one runs in a
+            # thread: the helper is killed where it stands by ``join``, whatever it waits for.)
             self._pid = os.fork()
         if self._pid == 0:  # pragma: no cover - the helper (coverage does not follow os.fork)
             try:

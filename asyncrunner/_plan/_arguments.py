@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from .._model import EpisodeRequest
+from .._quiet import strict
 
 __all__ = [
     "check_thermal_limit",
@@ -372,8 +373,7 @@ def init_state_action(state: Any, env: Any) -> Any:
             f"representing an action. You provided {state} which is a {type(state)}"
         )
     as_dict = {k: v for k, v in state.items() if k != "method"}
-    with warnings.catch_warnings():
-        warnings.filterwarnings("error")  # as grid2op's reset: its warnings are errors there
+    with strict():  # as grid2op's reset: its warnings are errors there
         return env._helper_action_env(as_dict)
 
 

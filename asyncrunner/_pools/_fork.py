@@ -30,7 +30,6 @@ import socket
 import threading
 import time
 import traceback
-import warnings
 import weakref
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -43,6 +42,7 @@ from anyio import BrokenWorkerProcess
 from .._engine._channel import AsyncSocket, frame, receive_frame
 from .._engine._envs import exclusive
 from .._engine._pool import STOP_GRACE, WorkerPool
+from .._quiet import quiet
 
 __all__ = ["ForkPool", "available", "forked"]
 
@@ -277,12 +277,9 @@ class _Worker:
         # child drops the other threads' states, and a power flow's scipy SuperLU state then
         # freed (scipy <= 1.17 leaves an exception set doing so) failed the child's first
         # after-fork callback, random's or threading's ("Exception ignored ... SystemError").
-        with exclusive(), warnings.catch_warnings():
-            # Python >= 3.12 warns when a multi-threaded process forks: the child only runs
-            # _serve (no lock of another thread is taken there), as grid2op's own Pool does.
-            warnings.filterwarnings(
-                "ignore", "This process .* is multi-threaded", DeprecationWarning
-            )
+        with exclusive(), quiet():
+            # (Python >= 3.12 warns when a multi-threaded process forks: the child only runs
+            # _serve, where no lock of another thread is taken, as grid2op's own Pool does.)
             with _PARENT_ENDS_LOCK:
                 _PARENT_ENDS.add(mine)
                 ends = [fd for fd in (s.fileno() for s in _PARENT_ENDS) if fd != -1]

@@ -72,6 +72,7 @@ from .._engine._envs import disown, exclusive
 from .._engine._parsed import parsing_once
 from .._engine._recipe import dumps, env_key
 from .._model import EpisodeResult
+from .._quiet import quiet
 from ._play import call, env_view, play
 from ._rules import (
     KEY_TIME_SERIE_ID,
@@ -448,8 +449,7 @@ class Runner(_GridRunner):  # type: ignore[misc]  # grid2op is untyped (Any base
         Runner builds an env at each run, which finds them (the one replaced is closed with
         the runner: another thread's run may be using it)."""
         if self._ar_env is None or (not self._ar_keep and _chronics_changed(self._ar_env)):
-            with exclusive(), parsing_once(), warnings.catch_warnings():
-                warnings.simplefilter("ignore")
+            with exclusive(), parsing_once(), quiet():
                 self._ar_env, _ = self._new_env(self.parameters)
             self._ar_note_env()
         return self._ar_env

@@ -1,0 +1,80 @@
+"""asyncrunner's threads and the program's warning filters: what one sets, the other keeps."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+import pytest
+from grid2op.Agent import DoNothingAgent
+
+from asyncrunner import AsyncRunner
+from asyncrunner._quiet import _InThisThread, quiet, strict
+
+
+def the_programs(filters: Sequence[Any]) -> list[Any]:
+    """``filters`` but asyncrunner's own (which match in its threads only)."""
+    return [f for f in filters if not isinstance(f[1], _InThisThread)]
+
+
+def test_a_thread_quiet_or_strict_changes_no_other() -> None:
+    before = list(warnings.filters)
+    inside, leave = threading.Event(), threading.Event()
+    seen: list[str] = []
+
+    def ours() -> None:
+        with quiet():
+            warnings.warn("ignored here", UserWarning, stacklevel=1)
+            with strict(), pytest.raises(UserWarning):
+                warnings.warn("raised here", UserWarning, stacklevel=1)
+            inside.set()
+            assert leave.wait(10)
+        seen.append("done")
+
+    thread = threading.Thread(target=ours)
+    thread.start()
+    assert inside.wait(10)
+    # Meanwhile the program's thread sets a filter of its own for a moment, and warns: its
+    # filters, not ours, hold here.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="the program's")
+        leave.set()
+        thread.join(10)
+        with pytest.raises(UserWarning):
+            warnings.warn("the program's", UserWarning, stacklevel=1)
+    with pytest.warns(UserWarning, match="shown"):
+        warnings.warn("shown", UserWarning, stacklevel=1)
+    assert seen == ["done"]
+    assert the_programs(warnings.filters) == before
+
+
+def test_runners_leave_the_programs_warning_filters_as_they_were(env: Any) -> None:
+    # A runner's threads (the env built for its workers, each fork) set filters with
+    # warnings.catch_warnings, which saves the whole process's and puts them back: while the
+    # program's thread held a filter of its own for a moment (grid2op's reset does), that
+    # filter stayed for good (every later warning raised), or one of asyncrunner's did (every
+    # later warning ignored) (found by a hunt: 3 runners of 3).
+    before = list(warnings.filters)
+
+    async def busy(stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            with warnings.catch_warnings():
+                warnings.filterwarnings("error", message="the program's")
+                time.sleep(0.0005)  # noqa: ASYNC251 - work under the filter, the GIL let go
+            await asyncio.sleep(0)
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        task = asyncio.create_task(busy(stop))
+        for _ in range(3):
+            async with AsyncRunner(env, agent=DoNothingAgent, workers=2) as runner:
+                assert [r.nb_time_step for r in await runner.run(2, max_iter=3)] == [3, 3]
+        stop.set()
+        await task
+
+    asyncio.run(main())
+    assert the_programs(warnings.filters) == before
