@@ -863,7 +863,7 @@ async def sharing_workers(
         for runner in runners[1:]:
             runner._pool, runner._shares_pool, runner.workers = pool, True, workers
         if resets and pool.forks_this_process and usable_cpus() > 1:
-            ahead = await forked(ParsedAhead, first.env, list(resets))
+            ahead = await forked(ParsedAhead, first.env, list(resets), owner=pool)
         for runner in runners:
             await runner._hold()
         if ahead is not None:

@@ -110,6 +110,28 @@ async def test_calls_run_in_a_kept_forked_worker() -> None:
     assert not alive(first[0])
 
 
+def forking_threads() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name == "asyncrunner-fork"]
+
+
+async def test_the_thread_that_forks_ends_with_the_last_pool() -> None:
+    # It lived as long as the process: a later fork of the program's (grid2op's Runner with
+    # nb_process > 1) then warned of threads on Python >= 3.12 (found by a hunt).
+    first, second = ForkPool(anyio.CapacityLimiter(1)), ForkPool(anyio.CapacityLimiter(1))
+    await first.call(pid_plus, 0)
+    await second.call(pid_plus, 0)
+    await first.aclose()
+    assert forking_threads() == ["asyncrunner-fork"]  # the second pool may fork again
+    assert (await second.call(pid_plus, 1))[1] == 2
+    await second.aclose()
+    with anyio.fail_after(5):
+        while forking_threads():  # noqa: ASYNC110 - another thread's end
+            await anyio.sleep(0.01)
+    again = ForkPool(anyio.CapacityLimiter(1))  # and a new pool forks as before
+    assert (await again.call(pid_plus, 2))[1] == 3
+    await again.aclose()
+
+
 async def test_a_pool_stops_its_workers_though_another_forked_since() -> None:
     """A worker forked by another pool holds copies of this process's sockets: unless it
     closes the ends of every pool's workers, those workers never see their pool stop."""

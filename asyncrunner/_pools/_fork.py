@@ -44,7 +44,7 @@ from .._engine._envs import exclusive
 from .._engine._pool import STOP_GRACE, WorkerPool
 from .._quiet import quiet
 
-__all__ = ["ForkPool", "available", "forked"]
+__all__ = ["ForkPool", "available", "forked", "forker_done"]
 
 T = TypeVar("T")
 
@@ -208,13 +208,16 @@ class _Forker:
     ``ThreadPoolExecutor``'s: a child forked from one would try to join it at exit)."""
 
     def __init__(self) -> None:
-        self._calls: queue.SimpleQueue[tuple[Callable[..., Any], tuple[Any, ...], Any]]
+        self._calls: queue.SimpleQueue[tuple[Callable[..., Any], tuple[Any, ...], Any] | None]
         self._calls = queue.SimpleQueue()
         threading.Thread(target=self._serve, name="asyncrunner-fork", daemon=True).start()
 
     def _serve(self) -> None:
         while True:
-            fn, args, done = self._calls.get()
+            call = self._calls.get()
+            if call is None:  # (``stop``)
+                return
+            fn, args, done = call
             try:
                 done.set_result(fn(*args))
             except BaseException as exc:
@@ -226,30 +229,54 @@ class _Forker:
         self._calls.put((fn, args, done))
         return done.result()
 
+    def stop(self) -> None:
+        """End the thread once the calls given before are done (and with it, the processes it
+        forked: ``_serve``)."""
+        self._calls.put(None)
+
 
 _forker: _Forker | None = None
 _forker_lock = threading.Lock()
+# What forks through the thread (pools): it ends when the last of them is done (``forker_done``),
+# as no later fork of the program's, grid2op's Runner's, would then find it (Python >= 3.12 warns
+# of a fork in a process with threads).
+_forker_owners: set[object] = set()
 
 
 def _reset_forker() -> None:
     global _forker, _forker_lock
     _forker, _forker_lock = None, threading.Lock()  # its thread is not in a forked child
+    _forker_owners.clear()
 
 
 os.register_at_fork(after_in_child=_reset_forker)
 
 
 async def forked(
-    fn: Callable[..., T], *args: Any, limiter: anyio.CapacityLimiter | None = None
+    fn: Callable[..., T],
+    *args: Any,
+    owner: object,
+    limiter: anyio.CapacityLimiter | None = None,
 ) -> T:
     """``fn(*args)``, which forks, run in the thread that runs nothing else (waited for from a
-    thread of ``limiter``'s, off the event loop)."""
+    thread of ``limiter``'s, off the event loop), which lives until ``forker_done(owner)``."""
     global _forker
     with _forker_lock:
         if _forker is None:
             _forker = _Forker()
         forker = _forker
+        _forker_owners.add(owner)
     return await anyio.to_thread.run_sync(forker.call, fn, *args, limiter=limiter)
+
+
+def forker_done(owner: object) -> None:
+    """``owner`` forks no more: the last one ends the thread that forks."""
+    global _forker
+    with _forker_lock:
+        _forker_owners.discard(owner)
+        if _forker is not None and not _forker_owners:
+            _forker.stop()
+            _forker = None
 
 
 # Bytes beyond this in a call's arguments are framed in a thread (a warm-up call's recipe).
@@ -372,7 +399,7 @@ class ForkPool(WorkerPool):
                 # One fork at a time. Forking copies this process's page tables (tens of ms
                 # for a big parent): off the event loop's thread.
                 async with self._forking:
-                    worker = await forked(_Worker, limiter=self._threads)
+                    worker = await forked(_Worker, owner=self, limiter=self._threads)
             self._busy.add(worker)
             try:
                 result: T = await worker.call(fn, args, self._threads)
@@ -424,3 +451,5 @@ class ForkPool(WorkerPool):
 
         with anyio.CancelScope(shield=True):
             await anyio.to_thread.run_sync(stop, limiter=self._threads)
+        if not self._busy:  # (a worker dies with the thread that forked it: ``_serve``)
+            forker_done(self)
