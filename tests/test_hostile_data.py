@@ -202,7 +202,8 @@ async def test_resume_plays_episodes_reset_otherwise(runner: AsyncRunner, tmp_pa
         {"max_iter": 5, "reset_options": {"max step": 8}},  # max_iter wins over "max step"
     ]
     runs = []
-    with anyio.fail_after(TIMEOUT):
+    with anyio.fail_after(TIMEOUT), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "You provided both `max_iter`", UserWarning)
         for reset in resets:
             started = Started()
             played = await runner.run(
@@ -316,7 +317,11 @@ async def test_a_killed_runs_temporary_folder_is_removed_not_a_live_ones(
         (dict(episode_timeout="5"), TypeError, "a number of seconds"),
         (dict(reset_options={"init ts": -5}), ValueError, '"init ts" must be an integer >= 1'),
         (dict(reset_options={"init ts": "3"}), ValueError, '"init ts" must be an integer'),
-        (dict(reset_options={"max step": "abc"}), ValueError, '"max step" must be an integer'),
+        (
+            dict(max_iter=None, reset_options={"max step": "abc"}),
+            ValueError,
+            '"max step" must be an integer',
+        ),
         (dict(reset_options={"init datetime": "5 jan"}), ValueError, '"init datetime" must'),
         (dict(reset_options={"init datetime": 20190105}), ValueError, '"init datetime" must'),
         (dict(reset_options={"thermal limit": "x"}), ValueError, "one limit \\(amps\\) per line"),
@@ -340,8 +345,9 @@ async def test_bad_values_are_refused_before_any_work(
     runner: AsyncRunner, kwargs: dict[str, Any], error: type[Exception], message: str
 ) -> None:
     seen: list[Event] = []
+    kwargs = {"max_iter": 3, **kwargs}
     with pytest.raises(error, match=message), anyio.fail_after(TIMEOUT):
-        await runner.run(1, max_iter=3, sinks=[CallbackSink(seen.append)], **kwargs)
+        await runner.run(1, sinks=[CallbackSink(seen.append)], **kwargs)
     assert seen == []  # refused before the run started
 
 
@@ -365,7 +371,10 @@ async def test_numpy_integers_and_good_reset_values_are_accepted(
         episode_timeout=np.float64(60),
         retries=np.int64(1),
     )
-    with anyio.fail_after(TIMEOUT):
+    with (
+        anyio.fail_after(TIMEOUT),
+        pytest.warns(UserWarning, match="ignore the `max step`"),  # grid2op's warning
+    ):
         results = await runner.run(
             np.int64(2),  # type: ignore[arg-type]  # an Integral, not an int
             reset_options=[options, {"max step": -1, "thermal limit": every_line}],

@@ -218,6 +218,7 @@ class _Forker:
             if call is None:  # (``stop``)
                 return
             fn, args, done = call
+            del call
             try:
                 done.set_result(fn(*args))
             except BaseException as exc:
@@ -240,7 +241,7 @@ _forker_lock = threading.Lock()
 # What forks through the thread (pools): it ends when the last of them is done (``forker_done``),
 # as no later fork of the program's, grid2op's Runner's, would then find it (Python >= 3.12 warns
 # of a fork in a process with threads).
-_forker_owners: set[object] = set()
+_forker_owners: weakref.WeakSet[Any] = weakref.WeakSet()  # (one dropped unclosed is collected)
 
 
 def _reset_forker() -> None:
@@ -451,5 +452,5 @@ class ForkPool(WorkerPool):
 
         with anyio.CancelScope(shield=True):
             await anyio.to_thread.run_sync(stop, limiter=self._threads)
-        if not self._busy:  # (a worker dies with the thread that forked it: ``_serve``)
-            forker_done(self)
+        if not self._busy and not self._forking.locked():
+            forker_done(self)  # (a worker dies with the thread that forked it: ``_serve``)
