@@ -145,6 +145,43 @@ async def test_the_thread_that_forks_ends_with_the_last_pool() -> None:
     assert done.stdout.split("\n")[-3:] == ["1 2", "1 3", ""], done.stderr
 
 
+_PRINTS = """
+import sys, anyio
+sys.stdout = open("PATH", "w")  # block-buffered, as stdout to a file or a pipe
+from asyncrunner._pools._fork import ForkPool
+
+def chatty(sleep: float) -> None:
+    print("from the worker")
+    import time; time.sleep(sleep)
+
+def lines() -> int:
+    with open("PATH") as f:
+        return f.read().count("from the worker")
+
+async def main() -> None:
+    pool = ForkPool(anyio.CapacityLimiter(1))
+    await pool.call(chatty, 0)
+    print(lines(), file=sys.stderr)  # the worker still runs
+    with anyio.move_on_after(1):
+        await pool.call(chatty, 60)  # killed
+    print(lines(), file=sys.stderr)
+    await pool.aclose()
+
+anyio.run(main)
+"""
+
+
+async def test_what_a_worker_prints_to_a_file_is_there_when_its_call_returns(
+    tmp_path: Any,
+) -> None:
+    # Its stdout, a file or a pipe (nohup, `| tee`, a container's log), is block-buffered: an
+    # agent's prints waited in the worker until it ended, and a worker killed (episode_timeout)
+    # lost them (found by a hunt).
+    code = _PRINTS.replace("PATH", str(tmp_path / "out"))
+    done = await anyio.to_thread.run_sync(run_code, code)
+    assert done.stderr.split("\n")[-3:] == ["1", "2", ""], done.stderr
+
+
 async def test_a_pool_stops_its_workers_though_another_forked_since() -> None:
     """A worker forked by another pool holds copies of this process's sockets: unless it
     closes the ends of every pool's workers, those workers never see their pool stop."""

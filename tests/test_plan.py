@@ -76,6 +76,11 @@ def test_requests_follow_grid2op_conventions() -> None:
             reset_options={"max step": 0, "init state": {"no such key": 1}},
         )
     assert (request.max_iter, request.reset_options) == (3, {})
+    with pytest.warns(UserWarning, match="ignore the `time serie id`"):  # (it gave none)
+        (request,) = plan_episodes(
+            1, names=NAMES, episode_id=[1], reset_options={"time serie id": 2}
+        )
+    assert (request.episode_id, request.reset_options) == (1, {})
     plain = plan_episodes(4, names=NAMES, episode_id=None)
     assert [r.episode_id for r in plain] == [0, 1, 2, 0]  # chronics in turn, wrapping around
     named = plan_episodes(2, names=None, episode_id=["0001", 5])

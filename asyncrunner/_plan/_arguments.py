@@ -231,6 +231,9 @@ def plan_episodes(
             ep_id = i % len(names) if names else i
             if opts is not None and "time serie id" in opts:
                 ep_id = _time_serie_id(opts.pop("time serie id"))
+        elif opts is not None and "time serie id" in opts:
+            del opts["time serie id"]
+            warnings.warn(_OVERRIDDEN.format(arg="episode_id", key="time serie id"), stacklevel=3)
         ep_id = _check_id(ep_id, names)
         requests.append(
             EpisodeRequest(

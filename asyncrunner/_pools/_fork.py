@@ -27,6 +27,7 @@ import pickle
 import queue
 import signal
 import socket
+import sys
 import threading
 import time
 import traceback
@@ -85,6 +86,11 @@ def _serve(
     # Ctrl-C reaches the whole process group: the parent decides (it cancels, which kills us).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.set_wakeup_fd(-1)  # the parent's event loop's, not ours
+    # What an agent prints goes out line by line, as in a terminal: to a file or a pipe (nohup,
+    # `| tee`, a container's log) it waited in this process's buffer until the worker ended,
+    # and was lost when it was killed (the line before an episode_timeout).
+    with contextlib.suppress(AttributeError, ValueError):  # (a stream that cannot be set so)
+        sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]
     for fd in parent_ends:  # workers' parent-side ends: holding them would hide their closing
         try:
             os.close(fd)
@@ -107,6 +113,8 @@ def _answer(sock: socket.socket) -> None:
             reply: tuple[str, Any] = ("ok", fn(*args))
         except BaseException as exc:
             reply = ("error", exc)
+        with contextlib.suppress(Exception):  # (a line not ended, a closed stream)
+            sys.stdout.flush()
         try:
             data = pickle.dumps(reply, protocol=5)
         except Exception as exc:  # a result or error that cannot be pickled
