@@ -7,6 +7,7 @@ import copy
 import errno
 import gc
 import inspect
+import logging
 import multiprocessing
 import os
 import shutil
@@ -556,6 +557,22 @@ def test_what_episodes_change_in_the_agent_carries_over_as_in_grid2op(env: Any, 
         results.append(sorted(head(played)))
     assert results[0] == results[1]
     assert len({r[3] for r in results[1]}) > 1  # the counters led to other episodes
+
+
+def test_the_runner_logs_what_grid2ops_logs(env: Any, caplog: pytest.LogCaptureFixture) -> None:
+    # "Sequential runner used." and each episode's times and reward on the runner's logger
+    # (found by a hunt: compat logged none of them).
+    logged = []
+    for make in (grid_runner, compat_runner):
+        runner = make(env, agentClass=DoNothingAgent)
+        with caplog.at_level(logging.INFO, logger=runner.logger.name):
+            caplog.clear()
+            run = grid2ops if make is grid_runner else quiet
+            run(runner.run, nb_episode=2, max_iter=3, env_seeds=[0, 1], episode_id=[0, 1])
+        lines = [r.getMessage().split("\n") for r in caplog.records if r.name == runner.logger.name]
+        logged.append([(len(m), m[0].split(":")[0], m[-1]) for m in lines])
+    assert logged[0] == logged[1]
+    assert [m[:2] for m in logged[1]] == [(1, "Sequential runner used."), (7, "Env"), (7, "Env")]
 
 
 def test_a_pbar_that_is_no_bar(runners: tuple[Any, compat.Runner], tmp_path: Path) -> None:

@@ -23,7 +23,7 @@ from ._rules import (
     reset_options_for_core,
 )
 from ._session import AgentClass, AgentCopies, EnvView, Session
-from ._sinks import ReplacingCompactWriter, ReplacingWriter, Sum64
+from ._sinks import EpisodeLog, ReplacingCompactWriter, ReplacingWriter, Sum64
 
 __all__ = ["call", "play"]
 
@@ -69,6 +69,7 @@ def play(
         writer: Sink
         writer = ReplacingCompactWriter(path_save) if compact else ReplacingWriter(path_save)
         sinks.append(writer)
+    sinks.append(EpisodeLog(runner.logger))
     sums = Sum64() if compact else None
     if sums is not None:
         sinks.append(sums)

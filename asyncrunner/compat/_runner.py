@@ -204,6 +204,7 @@ class Runner(_GridRunner):  # type: ignore[misc]  # grid2op is untyped (Any base
         if nb_process <= 0:
             raise RuntimeError("Impossible to run using less than 1 process.")
         self._Runner__used = True
+        self.logger.info("Sequential runner used." if nb_process == 1 else "Parallel runner used.")
         return self._ar_run_many(
             nb_episode,
             nb_process=nb_process,

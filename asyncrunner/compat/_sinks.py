@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import secrets
 
-from .._model import EpisodeStarted, Event, StepBatch
+from .._model import EpisodeFinished, EpisodeStarted, Event, StepBatch
 from .._plan._layout import sync
 from ..sinks import CompactEpisodeWriter, EpisodeDataWriter
 from ..sinks._base import Sink
 
-__all__ = ["ReplacingCompactWriter", "ReplacingWriter", "Sum64"]
+__all__ = ["EpisodeLog", "ReplacingCompactWriter", "ReplacingWriter", "Sum64"]
 
 
 class ReplacingWriter(EpisodeDataWriter):
@@ -118,3 +119,30 @@ class Sum64(Sink):
         elif isinstance(event, EpisodeStarted):
             self.sums[event.index] = 0.0
             self._attempts[event.index] = event.attempt
+
+
+class EpisodeLog(Sink):
+    """Each finished episode's record on the runner's logger, as grid2op's Runner logs it
+    (``aux_fun._aux_run_one_episode``: the env's and the agent's times, the reward)."""
+
+    needs_steps = False
+
+    def __init__(self, logger: logging.Logger) -> None:
+        self.logger = logger
+
+    async def send(self, event: Event) -> None:
+        if isinstance(event, EpisodeFinished) and self.logger.isEnabledFor(logging.INFO):
+            env, times = event.times["Env"], event.times
+            self.logger.info(
+                "\n".join(
+                    (
+                        f"Env: {env['total']:.2f}s",
+                        f"\t - apply act {env['apply_act']:.2f}s",
+                        f"\t - run pf: {env['powerflow_computation']:.2f}s",
+                        f"\t - env update + observation: {env['observation_computation']:.2f}s",
+                        f"Agent: {times['Agent']['total']:.2f}s",
+                        f"Total time: {times['total']:.2f}s",
+                        f"Cumulative reward: {event.cum_reward:1f}",
+                    )
+                )
+            )
