@@ -6,12 +6,17 @@ meanwhile, or it left its own in place for good when the caller's thread put bac
 saved while ours was set (every later warning of the program ignored, or raised). Here each
 action has one entry in the filters, whose message pattern matches in a thread inside ``quiet()``
 or ``strict()`` only: nothing is put back or removed, and an entry another thread's
-``catch_warnings`` keeps or drops changes nothing elsewhere.
+``catch_warnings`` keeps changes nothing elsewhere. (One it drops, as it ends while a thread of
+ours is inside, leaves that thread with the program's filters for the rest of its context.)
+
+A process forked inside one (a worker, from the thread that forks) starts outside it: the
+program's filters apply to what it runs.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 import warnings
 from collections.abc import Iterator
@@ -43,12 +48,21 @@ _ENTRIES: dict[str, tuple[Any, ...]] = {
 }
 
 
+def _outside() -> None:
+    _LOCAL.__dict__.pop("action", None)
+
+
+os.register_at_fork(after_in_child=_outside)
+
+
 @contextlib.contextmanager
 def _acting(action: Literal["ignore", "error"]) -> Iterator[None]:
     entry = _ENTRIES[action]
     with _LOCK:  # first in the filters, before any the program added since
         filters: list[Any] = warnings.filters  # type: ignore[assignment]  # (a list)
-        if not filters or filters[0] is not entry:
+        # "error" set again each time: that tells the warnings' registries, which let a
+        # warning already shown once under "default" pass before any filter is read.
+        if not filters or filters[0] is not entry or action == "error":
             with contextlib.suppress(ValueError):
                 filters.remove(entry)
             # Added as any filter (first, the warnings' caches told), then made ours.

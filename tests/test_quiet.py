@@ -78,3 +78,45 @@ def test_runners_leave_the_programs_warning_filters_as_they_were(env: Any) -> No
 
     asyncio.run(main())
     assert the_programs(warnings.filters) == before
+
+
+def warns_once() -> None:
+    warnings.warn("shown once", UserWarning, stacklevel=1)
+
+
+def test_strict_raises_a_warning_already_shown_once() -> None:
+    # Shown once under "default", a warning is in its module's registry, which let it pass
+    # before any filter was read: an init state refused before the run was let through once the
+    # program had built the same action (found by review).
+    shown: list[Any] = []
+    with warnings.catch_warnings():
+        warnings.resetwarnings()  # no filter: "default"
+        warnings.showwarning = lambda message, *args, **kwargs: shown.append(str(message))
+        with strict():
+            pass  # (its filter now first)
+        warns_once()
+        assert shown == ["shown once"]
+        with strict(), pytest.raises(UserWarning):
+            warns_once()
+
+
+class WarnsAtStepTwo(DoNothingAgent):  # type: ignore[misc]  # grid2op is untyped
+    def act(self, observation: Any, reward: Any, done: bool = False) -> Any:
+        if observation.current_step == 2:
+            warnings.warn("the agent's warning", UserWarning, stacklevel=1)
+        return super().act(observation, reward, done)
+
+
+def test_a_workers_warnings_follow_the_programs_filters(env: Any) -> None:
+    # The worker was forked inside the forking thread's quiet(), which it never left: every
+    # warning was ignored in every worker (an agent's warning under "error" played on, where
+    # grid2op's Runner raises it) (found by review).
+    async def main() -> Any:
+        async with AsyncRunner(env, agent=WarnsAtStepTwo, workers=1) as runner:
+            return await runner.run(1, max_iter=5, on_error="continue")
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        (result,) = asyncio.run(main())
+    assert result.error is not None
+    assert (result.error.error_type, result.error.message) == ("UserWarning", "the agent's warning")

@@ -419,6 +419,7 @@ class ForkPool(WorkerPool):
                 else:  # cancelled (or dead): a worker mid-call is killed
                     with anyio.CancelScope(shield=True):
                         await anyio.to_thread.run_sync(worker.kill, limiter=self._threads)
+                    self._done_if_stopped()
                 raise
             self._busy.discard(worker)
             await self._free(worker)
@@ -460,5 +461,10 @@ class ForkPool(WorkerPool):
 
         with anyio.CancelScope(shield=True):
             await anyio.to_thread.run_sync(stop, limiter=self._threads)
-        if not self._busy and not self._forking.locked():
-            forker_done(self)  # (a worker dies with the thread that forked it: ``_serve``)
+        self._done_if_stopped()
+
+    def _done_if_stopped(self) -> None:
+        """Stopped with no worker left (a worker dies with the thread that forked it:
+        ``_serve``): done with that thread."""
+        if self._stopped and not self._busy and not self._idle and not self._forking.locked():
+            forker_done(self)
