@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
+import inspect
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, TypeVar
@@ -48,24 +48,8 @@ def _spawn(fn: Callable[..., Coroutine[Any, Any, None]], *args: Any) -> None:
     task.add_done_callback(_SPAWNED.discard)
 
 
-async def _all(calls: list[Callable[[], Coroutine[Any, Any, None]]]) -> None:
-    """Run ``calls`` at once until each has ended. On asyncio as tasks of its own: anyio's (4.16)
-    left a call that the loop's end cancelled before it started never awaited ("coroutine ...
-    was never awaited", printed when it is collected: a loop opening the runner in one
-    ``asyncio.run``, its warm-up cancelled as that run ends)."""
-    try:
-        loop = asyncio.get_running_loop()
-    except RuntimeError:  # anyio's other backend
-        async with anyio.create_task_group() as group:
-            for call in calls:
-                group.start_soon(call)
-        return
-    tasks = [loop.create_task(call()) for call in calls]
-    try:
-        await asyncio.gather(*tasks)
-    finally:
-        for task in tasks:  # (the gather cancelled: cancelled too, not left running)
-            task.cancel()
+def _itself(call: Coroutine[Any, Any, None]) -> Coroutine[Any, Any, None]:
+    return call
 
 
 class WorkerDied(Exception):
@@ -149,10 +133,19 @@ class WorkerPool(ABC):
         fn: Callable[..., int],
         args: tuple[Any, ...],
     ) -> None:
+        calls = [self._warm_one(ready, fn, args) for _ in range(count)]
         try:
             with scope:
-                await _all([functools.partial(self._warm_one, ready, fn, args)] * count)
+                async with anyio.create_task_group() as group:
+                    for call in calls:
+                        group.start_soon(_itself, call)  # (made above: closed below if unstarted)
         finally:
+            for call in calls:
+                # One the loop's end cancelled before it started (a runner opened in one
+                # asyncio.run): closed, not printed when collected ("coroutine ... was never
+                # awaited": anyio 4.16's tasks leave it so).
+                if inspect.getcoroutinestate(call) == inspect.CORO_CREATED:
+                    call.close()
             ended.set()
 
     async def _warm_one(
