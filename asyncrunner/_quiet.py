@@ -22,7 +22,7 @@ import warnings
 from collections.abc import Iterator
 from typing import Any, Literal
 
-__all__ = ["quiet", "strict"]
+__all__ = ["programs_filters", "quiet", "strict"]
 
 _LOCAL = threading.local()
 _LOCK = threading.Lock()
@@ -88,3 +88,9 @@ def quiet() -> contextlib.AbstractContextManager[None]:
 def strict() -> contextlib.AbstractContextManager[None]:
     """Raise every warning in this thread meanwhile (``simplefilter("error")`` for it alone)."""
     return _acting("error")
+
+
+def programs_filters() -> list[Any]:
+    """The program's warning filters as this thread sees them now, without asyncrunner's own
+    (for a process forked from another thread, which copies them as they are at that instant)."""
+    return [f for f in warnings.filters if not isinstance(f[1], _InThisThread)]

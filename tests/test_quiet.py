@@ -120,3 +120,32 @@ def test_a_workers_warnings_follow_the_programs_filters(env: Any) -> None:
         (result,) = asyncio.run(main())
     assert result.error is not None
     assert (result.error.error_type, result.error.message) == ("UserWarning", "the agent's warning")
+
+
+def test_workers_forked_later_take_the_filters_the_event_loop_sees(env: Any) -> None:
+    # A worker forked (from the thread that forks) while a task of the program held a filter of
+    # its own for a moment kept it for its whole life: here its "ignore", and the agent's
+    # warning, an error in grid2op's Runner, played on (found by review). Workers forked during
+    # the run (more than the CPUs), with no env being built meanwhile.
+    async def busy(stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                time.sleep(0.005)  # noqa: ASYNC251 - the program's work, the GIL let go
+            await asyncio.sleep(0.001)
+
+    async def main() -> Any:
+        async with AsyncRunner(env, agent=WarnsAtStepTwo, workers=8) as runner:
+            await runner.run(1, max_iter=1)  # the runner open, its env held
+            stop = asyncio.Event()
+            task = asyncio.create_task(busy(stop))
+            try:
+                return await runner.run(8, max_iter=5, on_error="continue")
+            finally:
+                stop.set()
+                await task
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        results = asyncio.run(main())
+    assert [r.error.error_type if r.error else None for r in results] == ["UserWarning"] * 8

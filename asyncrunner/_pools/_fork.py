@@ -31,6 +31,7 @@ import sys
 import threading
 import time
 import traceback
+import warnings
 import weakref
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -43,7 +44,7 @@ from anyio import BrokenWorkerProcess
 from .._engine._channel import AsyncSocket, frame, receive_frame
 from .._engine._envs import exclusive
 from .._engine._pool import STOP_GRACE, WorkerPool
-from .._quiet import quiet
+from .._quiet import programs_filters, quiet
 
 __all__ = ["ForkPool", "available", "forked", "forker_done"]
 
@@ -66,9 +67,14 @@ def _prctl() -> Callable[..., int]:
 
 
 def _serve(
-    sock: socket.socket, parent_ends: list[int], parent: int, prctl: Callable[..., int]
+    sock: socket.socket,
+    parent_ends: list[int],
+    parent: int,
+    prctl: Callable[..., int],
+    filters: list[Any],
 ) -> None:
-    """A worker's life: run the calls that come over ``sock`` until it closes."""
+    """A worker's life: run the calls that come over ``sock`` until it closes (``filters``: the
+    parent's warning filters as its event loop saw them, ``programs_filters``)."""
     # Killed when the thread that forked it ends (``_Forker``'s, which lives as long as its
     # process): a worker busy in an agent's act() (slow, hung, or stopped) outlived a killed
     # parent, holding its env, until it next wrote to it. A parent gone already: leave now.
@@ -86,6 +92,11 @@ def _serve(
     # Ctrl-C reaches the whole process group: the parent decides (it cancels, which kills us).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.set_wakeup_fd(-1)  # the parent's event loop's, not ours
+    # The fork copied the filters as they were at that instant: with a filter another thread
+    # of the parent held for a moment (its own `catch_warnings`, grid2op's reset), which this
+    # worker kept for its whole life.
+    warnings.resetwarnings()
+    warnings.filters.extend(filters)  # type: ignore[attr-defined]  # (a list)
     # What an agent prints goes out line by line, as in a terminal: to a file or a pipe (nohup,
     # `| tee`, a container's log) it waited in this process's buffer until the worker ended,
     # and was lost when it was killed (the line before an episode_timeout).
@@ -306,7 +317,7 @@ _PARENT_ENDS_LOCK = threading.Lock()
 
 
 class _Worker:
-    def __init__(self) -> None:
+    def __init__(self, filters: list[Any]) -> None:
         mine, child = socket.socketpair()
         context = multiprocessing.get_context("fork")
         # Not while a thread of this process builds an env (``hold``, under this lock): the
@@ -319,7 +330,7 @@ class _Worker:
             with _PARENT_ENDS_LOCK:
                 _PARENT_ENDS.add(mine)
                 ends = [fd for fd in (s.fileno() for s in _PARENT_ENDS) if fd != -1]
-            args = (child, ends, os.getpid(), _prctl())
+            args = (child, ends, os.getpid(), _prctl(), filters)
             self.process = context.Process(target=_serve, args=args, daemon=True)
             self.process.start()
         child.close()
@@ -408,7 +419,9 @@ class ForkPool(WorkerPool):
                 # One fork at a time. Forking copies this process's page tables (tens of ms
                 # for a big parent): off the event loop's thread.
                 async with self._forking:
-                    worker = await forked(_Worker, owner=self, limiter=self._threads)
+                    worker = await forked(
+                        _Worker, programs_filters(), owner=self, limiter=self._threads
+                    )
             self._busy.add(worker)
             try:
                 result: T = await worker.call(fn, args, self._threads)
