@@ -57,7 +57,9 @@ def test_runners_leave_the_programs_warning_filters_as_they_were(env: Any) -> No
     # warnings.catch_warnings, which saves the whole process's and puts them back: while the
     # program's thread held a filter of its own for a moment (grid2op's reset does), that
     # filter stayed for good (every later warning raised), or one of asyncrunner's did (every
-    # later warning ignored) (found by a hunt: 3 runners of 3).
+    # later warning ignored) (found by a hunt: 3 runners of 3). Here, forks during runs (more
+    # workers than CPUs): an env build parses its grid with pandas, whose own catch_warnings
+    # can still do so (Python < 3.14).
     before = list(warnings.filters)
 
     async def busy(stop: asyncio.Event) -> None:
@@ -68,13 +70,17 @@ def test_runners_leave_the_programs_warning_filters_as_they_were(env: Any) -> No
             await asyncio.sleep(0)
 
     async def main() -> None:
-        stop = asyncio.Event()
-        task = asyncio.create_task(busy(stop))
         for _ in range(3):
-            async with AsyncRunner(env, agent=DoNothingAgent, workers=2) as runner:
-                assert [r.nb_time_step for r in await runner.run(2, max_iter=3)] == [3, 3]
-        stop.set()
-        await task
+            async with AsyncRunner(env, agent=DoNothingAgent, workers=6) as runner:
+                await runner.run(1, max_iter=1)  # open, its env held, its first workers forked
+                stop = asyncio.Event()
+                task = asyncio.create_task(busy(stop))
+                try:
+                    results = await runner.run(6, max_iter=3)
+                finally:
+                    stop.set()
+                    await task
+                assert [r.nb_time_step for r in results] == [3] * 6
 
     asyncio.run(main())
     assert the_programs(warnings.filters) == before
