@@ -365,15 +365,46 @@ def compute_stats(
     env_seeds: Sequence[int] | None,
     agent_seeds: Sequence[int] | None,
 ) -> None:
-    """grid2op's ``EpisodeStatistics.compute`` post-processing of the episodes in ``played``.
+    """grid2op's ``EpisodeStatistics.compute`` post-processing of the episodes in ``played``."""
+    from grid2op.Agent import DoNothingAgent
 
-    Another process (or thread) may compute the same cache entry at once: each processes its
-    episodes in a private folder beside the entry and renames it into place, complete; the first
-    one there wins, the others drop theirs and read it. A complete entry is never removed."""
     stats = ref.stats
-    target = stats.path_save_stats
-    if os.path.isfile(os.path.join(target, _COMPLETE)):
+    if os.path.isfile(os.path.join(stats.path_save_stats, _COMPLETE)):
         return  # completed meanwhile
+    with _privately(stats) as folder:
+        # compute() rewrites the folder: copy this score's episodes there (path_save keeps them
+        # whole) and process them in place. Each under its chronic's name, as grid2op's Runner
+        # saves it: path_save may also hold an earlier run's episodes, and then this run's are
+        # <chronic>_1, ...
+        for entry in os.scandir(played):
+            if entry.is_file():  # the spaces' descriptions
+                shutil.copy2(entry.path, folder)
+        for episode in episodes:
+            shutil.copytree(episode.path, os.path.join(folder, episode.name))
+        agent = ref.agent if ref.agent is not None else DoNothingAgent(scorer.env.action_space)
+        stats.compute(
+            agent=agent,
+            parameters=ref.parameters,
+            nb_scenario=len(episodes),
+            scores_func=scorer.scores_func,
+            max_step=scorer.max_step,
+            env_seeds=env_seeds,
+            agent_seeds=agent_seeds,
+        )
+        stats.clear_episode_data()
+        with open(os.path.join(folder, _COMPLETE), "w", encoding="utf-8") as f:
+            f.write("written by asyncrunner.score once grid2op's post-processing finished\n")
+
+
+@contextlib.contextmanager
+def _privately(stats: Any) -> Iterator[str]:
+    """``stats``' cache folder written in a private folder beside it, renamed into place once
+    the block ends without an error.
+
+    Another process (or thread) may compute the same cache entry at once: each works in its own
+    folder and renames it into place, complete; the first one there wins, the others drop theirs
+    and read it. A complete entry is never removed."""
+    target = stats.path_save_stats
     parent, base = os.path.split(target)
     os.makedirs(parent, exist_ok=True)
     # Unique to this call (mkdir fails on an existing name), as the umask allows (not mkdtemp's).
@@ -383,49 +414,13 @@ def compute_stats(
         stats.final_path = target
         stats.path_save_stats = private
         try:
-            _process(scorer, ref, played, episodes, env_seeds, agent_seeds)
+            yield private
         finally:
             stats.path_save_stats = target
             del stats.final_path
         _move_into_place(private, target)
     finally:
         shutil.rmtree(private, ignore_errors=True)  # left only when it did not go in place
-
-
-def _process(
-    scorer: Any,
-    ref: _Reference,
-    played: str,
-    episodes: Sequence[Any],
-    env_seeds: Sequence[int] | None,
-    agent_seeds: Sequence[int] | None,
-) -> None:
-    from grid2op.Agent import DoNothingAgent
-
-    stats = ref.stats
-    folder = stats.path_save_stats
-    # compute() rewrites the folder: copy this score's episodes there (path_save keeps them
-    # whole) and process them in place. Each under its chronic's name, as grid2op's Runner saves
-    # it: path_save may also hold an earlier run's episodes, and then this run's are
-    # <chronic>_1, ...
-    for entry in os.scandir(played):
-        if entry.is_file():  # the spaces' descriptions
-            shutil.copy2(entry.path, folder)
-    for episode in episodes:
-        shutil.copytree(episode.path, os.path.join(folder, episode.name))
-    agent = ref.agent if ref.agent is not None else DoNothingAgent(scorer.env.action_space)
-    stats.compute(
-        agent=agent,
-        parameters=ref.parameters,
-        nb_scenario=len(episodes),
-        scores_func=scorer.scores_func,
-        max_step=scorer.max_step,
-        env_seeds=env_seeds,
-        agent_seeds=agent_seeds,
-    )
-    stats.clear_episode_data()
-    with open(os.path.join(folder, _COMPLETE), "w", encoding="utf-8") as f:
-        f.write("written by asyncrunner.score once grid2op's post-processing finished\n")
 
 
 def _move_into_place(private: str, target: str) -> None:
