@@ -223,26 +223,18 @@ def reset_key(max_iter: int | None, init_state: Any, reset_options: Any) -> str 
         options["init state"] = init_state
     if not options:
         return None
-    return json.dumps(_plain(options), sort_keys=True)
+    return json.dumps(options, sort_keys=True, default=_json_value)
 
 
-def _plain(value: Any) -> Any:
-    """``value`` as JSON values: an action as its ``as_serializable_dict()``, an array as lists,
-    a date as ISO text, anything else unknown as its ``repr``."""
-    if isinstance(value, Mapping):
-        return {str(k): _plain(v) for k, v in value.items()}
-    if isinstance(value, list | tuple | np.ndarray):
-        return [_plain(v) for v in value]
-    if isinstance(value, np.generic):
-        return value.item()
+def _json_value(value: Any) -> Any:
+    """What JSON cannot write, as JSON values: an action as its ``as_serializable_dict()``, an
+    array as lists, a date as ISO text, anything else unknown as its ``repr``."""
+    if isinstance(value, np.ndarray | np.generic):
+        return value.tolist()
     if isinstance(value, datetime.date):
         return value.isoformat()
-    if value is None or isinstance(value, str | int | float):
-        return value
     serializable = getattr(value, "as_serializable_dict", None)
-    if callable(serializable):
-        return _plain(serializable())
-    return repr(value)
+    return serializable() if callable(serializable) else repr(value)
 
 
 def _episode_key(episode_id: Any, name: str | None, names: list[str] | None) -> Any:
