@@ -116,6 +116,41 @@ async def test_resume_replays_damaged_episodes(runner: AsyncRunner, tmp_path: Pa
     assert again.indices == []
 
 
+async def test_resume_replays_episodes_whose_record_is_damaged(
+    runner: AsyncRunner, tmp_path: Path
+) -> None:
+    kwargs: dict[str, Any] = dict(max_iter=3, episode_id=[0, 1, 0, 1], env_seeds=[1, 2, 3, 4])
+    with anyio.fail_after(TIMEOUT):
+        first = await runner.run(4, path_save=tmp_path, **kwargs)
+    folders = [Path(r.path or "") for r in first]
+
+    def edit(folder: Path, change: Any) -> None:
+        record = json.loads((folder / RECORD_FILE).read_text())
+        change(record["files"])
+        if not record["files"]:
+            del record["files"]
+        (folder / RECORD_FILE).write_text(json.dumps(record))
+
+    edit(folders[0], dict.clear)  # lists no files
+    edit(folders[1], lambda files: files.pop("rewards.npz"))  # one file not listed
+    edit(folders[2], lambda files: files.update({"../rewards.npz": files["rewards.npz"]}))
+    (folders[3] / "actions.npz").unlink()  # listed, not there
+
+    started = Started()
+    with pytest.warns(UserWarning, match="is damaged") as caught, anyio.fail_after(TIMEOUT):
+        resumed = await runner.run(
+            4, path_save=tmp_path, resume=True, sinks=[CallbackSink(started)], **kwargs
+        )
+    assert sorted(started.indices) == [0, 1, 2, 3]
+    assert [r.as_tuple() for r in resumed] == [r.as_tuple() for r in first]
+    messages = " ".join(str(w.message) for w in caught)
+    for said in ("lists no files", "does not list rewards.npz", "'../rewards.npz' wrongly"):
+        assert said in messages
+    assert "actions.npz cannot be read" in messages
+    for path, name in EpisodeData.list_episode(str(tmp_path)):
+        EpisodeData.from_disk(path, name)
+
+
 # --- 7. resume matches the agent -------------------------------------------------------------
 
 

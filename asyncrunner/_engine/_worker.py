@@ -134,8 +134,6 @@ def run_episodes(jobs: list[EpisodeJob]) -> list[str]:
 
     Meant for agents in the orchestrator: while one episode waits for its action, another steps.
     """
-    if len(jobs) == 1:
-        return [run_episode(jobs[0])]
     with ThreadPoolExecutor(len(jobs)) as pool:
         futures = [pool.submit(run_episode, job, slot, len(jobs)) for slot, job in enumerate(jobs)]
         return [f.result() for f in futures]
