@@ -355,14 +355,16 @@ class AsyncRunner(AsyncResource):
             return
         if self.copy_env:
             _check_parameters_as_built(self._first_env)
+        if not copies_faithfully(self._first_env):
+            # Each episode plays an env built for it: one built here would be shared by every
+            # worker forked with it (a user backend's solver process, socket or files too).
+            return
         with self._hold_lock:
             if self._held or self._holding is not None:
                 return  # another opening of this runner holds it, or is holding it
             done = self._holding = threading.Event()
             self._closed_hold = False
-        # An env whose copies would not play as a new env is built, copy_env or not.
-        copies = self.copy_env and copies_faithfully(self._first_env)
-        make = self._first_env.copy if copies else None
+        make = self._first_env.copy if self.copy_env else None
         key = self._recipe_key
 
         def holding() -> None:

@@ -11,7 +11,9 @@ its saved episodes are compared (``_reference``).
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import tempfile
 import types
 import warnings
 from collections.abc import Callable, Iterator
@@ -422,6 +424,50 @@ async def test_a_backend_that_cannot_be_copied_is_rebuilt_for_each_episode() -> 
     builds = [e.env_builds for e in started]  # counted from the fork, not from 0
     assert builds == [builds[0], builds[0] + 1, builds[0] + 2]  # a new env for each episode
     env.close()
+
+
+class FolderBackend(LightSimBackend):  # type: ignore[misc]  # lightsim2grid is untyped
+    """A user's backend with a resource outside the process (as one driving a solver keeps
+    files, a socket or a subprocess): a working folder made by ``load_grid``, removed by
+    ``close``; a power flow without it fails."""
+
+    root = ""
+
+    def load_grid(self, path: Any = None, filename: Any = None) -> None:
+        super().load_grid(path, filename)
+        self.workdir = tempfile.mkdtemp(dir=self.root)
+
+    def runpf(self, is_dc: bool = False) -> Any:
+        if not os.path.isdir(getattr(self, "workdir", self.root)):
+            raise RuntimeError(f"{self.workdir} is gone")
+        return super().runpf(is_dc)
+
+    def close(self) -> None:
+        shutil.rmtree(getattr(self, "workdir", ""), ignore_errors=True)
+        super().close()
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+@pytest.mark.parametrize("copy_env", [False, True])
+async def test_a_user_backend_is_built_for_each_episode_not_forked(
+    tmp_path: Path, copy_env: bool
+) -> None:
+    # A user backend's env was built once in this process and forked into every worker: the
+    # first episode to end closed it, removing the folder the other workers' forks still used.
+    FolderBackend.root = str(tmp_path)
+    env = make_env("rte_case14_opponent", backend=FolderBackend())
+    kwargs: dict[str, Any] = dict(nb_episode=4, max_iter=10, agent_seeds=[0, 1, 2, 3])
+    expected = _reference(env, RandomAgent, **kwargs)
+    started, sink = starts()
+    async with AsyncRunner(
+        env, agent=RandomAgent, workers=2, sinks=[sink], copy_env=copy_env
+    ) as runner:
+        results = await runner.run(**kwargs, on_error="continue")
+    assert [r.error for r in results] == [None] * 4
+    assert [_key(r) for r in results] == expected
+    assert all(e.env_builds >= 1 for e in started)  # none played an env forked from here
+    env.close()
+    assert os.listdir(tmp_path) == []  # each episode's env closed, its folder removed
 
 
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])
