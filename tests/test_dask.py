@@ -141,6 +141,20 @@ async def test_a_runner_closed_while_its_local_cluster_starts_leaves_no_process(
                 await anyio.sleep(0.05)
 
 
+@BOTH_LOOPS
+async def test_a_scheduler_address_plays_without_sniffio(
+    env: Any, cluster: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # anyio >= 4.12 no longer installs sniffio, nor does distributed: `pip install
+    # asyncrunner[dask]` has none (every episode failed "No module named 'sniffio'").
+    monkeypatch.setitem(sys.modules, "sniffio", None)
+    async with AsyncRunner(
+        env, agent=DoNothingAgent, workers=1, executor=cluster.scheduler_address
+    ) as runner:
+        results = await runner.run(nb_episode=1, max_iter=5)
+    assert [(r.nb_time_step, r.error) for r in results] == [(5, None)]
+
+
 async def test_a_closed_client_is_refused_saying_so(env: Any, cluster: Any) -> None:
     client = await distributed.Client(cluster.scheduler_address, asynchronous=True)
     await client.close()

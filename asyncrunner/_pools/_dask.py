@@ -399,9 +399,11 @@ def _wait(client: Any, future: Any) -> Any:
 
 
 def _on_asyncio() -> bool:
-    import sniffio
-
-    return sniffio.current_async_library() == "asyncio"
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False  # trio
+    return True
 
 
 def as_dask(executor: Any) -> DaskExecutor | None:
