@@ -20,6 +20,7 @@ import pytest
 from anyio import BrokenWorkerProcess
 
 from asyncrunner._engine._envs import exclusive
+from asyncrunner._pools import _fork
 from asyncrunner._pools._fork import ForkPool, _kill
 
 from .helpers import BOTH_LOOPS, alive, run_code
@@ -200,6 +201,51 @@ async def test_a_pool_stops_its_workers_though_another_forked_since() -> None:
 def naps(seconds: float) -> int:
     time.sleep(seconds)
     return os.getpid()
+
+
+def writes_later(path: str, seconds: float, daemon: bool | None = None) -> int:
+    """Leaves a thread writing ``path`` after ``seconds`` (an agent's log written in the
+    background), daemonic as ``threading.Thread`` makes it unless ``daemon`` says."""
+
+    def write() -> None:
+        time.sleep(seconds)
+        with open(path, "w") as f:
+            f.write("written")
+
+    threading.Thread(target=write, daemon=daemon).start()
+    return os.getpid()
+
+
+async def test_a_thread_a_call_leaves_ends_before_its_worker(tmp_path: Any) -> None:
+    # Threads inherited the forking thread's daemon flag: one an agent left writing its log
+    # was killed as the worker ended (grid2op's Runner with one process waits for it).
+    pool = ForkPool(anyio.CapacityLimiter(1))
+    pid = await pool.submit(writes_later, str(tmp_path / "log"), 0.3)
+    worker = next(iter(pool._idle))
+    await pool.aclose()
+    assert (tmp_path / "log").read_text() == "written"
+    assert worker.exitcode == 0 and not alive(pid)
+
+
+async def test_workers_that_do_not_end_share_one_grace(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Each worker that did not end at once was given a grace of its own, one after the other:
+    # closing took 5 s per worker whose agent kept a thread going (found by a hunt).
+    monkeypatch.setattr(_fork, "STOP_GRACE", 2.0)
+    pool = ForkPool(anyio.CapacityLimiter(3))
+    pids: list[int] = []
+
+    async def call() -> None:
+        pids.append(await pool.submit(writes_later, os.devnull, 60.0, False))
+        await anyio.sleep(0.5)  # the three calls at once: three workers
+
+    async with anyio.create_task_group() as group:
+        for _ in range(3):
+            group.start_soon(call)
+    started = time.monotonic()
+    await pool.aclose()
+    took = time.monotonic() - started
+    assert len(set(pids)) == 3 and not any(alive(pid) for pid in pids)
+    assert 2.0 <= took < 5.0, took  # one after the other: 6 s
 
 
 async def test_a_worker_busy_as_the_pool_stops_is_stopped_when_its_call_ends() -> None:
