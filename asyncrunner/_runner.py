@@ -6,6 +6,7 @@ import asyncio
 import concurrent.futures
 import contextvars
 import inspect
+import itertools
 import math
 import numbers
 import os
@@ -46,6 +47,8 @@ __all__ = ["AsyncRunner", "RunOptions"]
 # Local workers are forked from this process where that is safe (Linux): a fresh interpreter
 # (anyio.to_process, used elsewhere) first spends about 2 s importing grid2op.
 _FORK = available()
+# Numbers the recipe keys of ``copy_env`` runners (each plays copies of its own env).
+_COPIES = itertools.count()
 # Local worker processes allowed per CPU: more cannot be meant (each holds an env; 10,000 forked
 # until memory ran out). Agents that wait rather than compute have CentralAgent(envs_per_worker=).
 _WORKERS_PER_CPU = 64
@@ -262,6 +265,12 @@ class AsyncRunner(AsyncResource):
         # Each mix's chronic names, as its workers' env orders them; a single env is the mix None.
         # Whether the workers start from copies of it (see _hold).
         copied = copy_env and executor is None and _FORK and copies_faithfully(self._first_env)
+        if copied:
+            # Its workers' env is a copy of the caller's, which may hold what the recipe does
+            # not say (a reward changed since make): a key of its own keeps other runners'
+            # workers from playing it, and its own from playing their builds.
+            self._recipe_key = f"{self._recipe_key}:copy{next(_COPIES)}"
+            self._recipes[next(iter(self._recipes))] = (self._recipe_key, self._recipe_bytes)
         self._names = {
             mix: chronic_names(source, as_built=not (copied and source is self._first_env))
             for mix, source in sources.items()
@@ -855,6 +864,8 @@ async def sharing_workers(
     parses them.
     """
     first = runners[0]
+    if len({id(runner) for runner in runners}) < len(runners):
+        raise ValueError("sharing_workers: each runner once (one twice would never stop the pool)")
     for runner in runners:
         if runner._pool is not None:
             raise AsyncRunnerError("sharing_workers needs runners that never started a pool")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import itertools
 import multiprocessing
 import os
 import pickle
@@ -18,7 +19,7 @@ import grid2op
 import numpy as np
 import pytest
 from grid2op.Agent import BaseAgent, DoNothingAgent, RandomAgent
-from grid2op.Reward import AlarmReward
+from grid2op.Reward import AlarmReward, L2RPNReward
 
 from asyncrunner import AsyncRunner, CentralAgent, EpisodeFinished, RunFinished, StepBatch
 from asyncrunner._engine import _channel, _envs
@@ -27,7 +28,7 @@ from asyncrunner._pools._fork import ForkPool
 from asyncrunner._runner import sharing_workers
 from asyncrunner.sinks import CallbackSink
 
-from .conftest import LightSimBackend
+from .conftest import LightSimBackend, make_env
 from .helpers import BOTH_LOOPS, grid2ops, quiet, run_code, starts
 
 pytestmark = pytest.mark.anyio
@@ -138,6 +139,16 @@ async def test_runners_sharing_workers_interleave_on_one_warm_pool(
     assert {e.env_builds for e in started} == {0}
     for i, agent in enumerate((RandomAgent, DoNothingAgent)):
         assert [r.as_tuple() for r in results[i]] == grid2op_reference(env, agent, **kwargs)
+
+
+async def test_sharing_workers_takes_each_runner_once(env: Any) -> None:
+    # The first runner given twice was also marked as sharing another's pool: nobody stopped
+    # the pool, and its workers lived on after the block (found by a hunt).
+    runner = AsyncRunner(env, agent=DoNothingAgent, workers=1)
+    with pytest.raises(ValueError, match="each runner once"):
+        async with sharing_workers([runner, runner], 1):
+            pass
+    assert runner._pool is None
 
 
 def test_a_lent_pristine_env_is_closed_by_its_last_holder(env: Any) -> None:
@@ -258,6 +269,29 @@ async def test_copy_env_starts_forked_workers_from_a_copy_of_the_env(
     assert _envs.builds() == builds_before + 1
 
 
+async def test_copies_and_builds_of_one_env_stay_apart_across_runners(
+    grid2op_reference: Any,
+) -> None:
+    # A reward changed since make: grid2op's Runner (and copy_env=False) build the env its
+    # params give, copy_env=True plays the caller's. Held under one key, a runner opened while
+    # another was open played the other's env: copy_env=False the copy, copy_env=True a build.
+    env = make_env()
+    env.change_reward(L2RPNReward)
+    kwargs: dict[str, Any] = dict(nb_episode=2, max_iter=5, env_seeds=[1, 2], agent_seeds=[4, 5])
+    built = grid2op_reference(env, RandomAgent, **kwargs)
+
+    async def play(copy_env: bool) -> list[Any]:
+        async with AsyncRunner(env, agent=RandomAgent, workers=1, copy_env=copy_env) as runner:
+            return [r.as_tuple() for r in await runner.run(**kwargs)]
+
+    copied = await play(True)
+    assert copied != built  # the changed reward
+    for other, first in itertools.product((RandomAgent, DoNothingAgent), (True, False)):
+        async with AsyncRunner(env, agent=other, workers=1, copy_env=first):  # one key, or twins
+            assert await play(not first) == (built if first else copied)
+    env.close()
+
+
 def test_copy_env_must_be_a_bool(env: Any) -> None:
     with pytest.raises(TypeError, match="`copy_env` must be True or False"):
         AsyncRunner(env, agent=DoNothingAgent, copy_env="yes")  # type: ignore[arg-type]
@@ -323,8 +357,6 @@ def test_copy_env_takes_an_env_made_with_a_nan_parameter() -> None:
     from grid2op.Parameters import Parameters
 
     from asyncrunner._runner import _check_parameters_as_built
-
-    from .conftest import make_env
 
     params = Parameters()
     params.SOFT_OVERFLOW_THRESHOLD = float("nan")

@@ -45,12 +45,16 @@ class _Cached:
     episode changes reaches the pristine env or the next episode.
     """
 
-    def __init__(self, recipe: Recipe, pristine: Any = None, *, lent: bool = False) -> None:
+    def __init__(
+        self, recipe: Recipe, pristine: Any = None, *, lent: bool = False, copied: bool = False
+    ) -> None:
         self.recipe = recipe
         # Another agent's recipe on the same env, or the caller of ``hold``, may give the
-        # pristine env: it is only ever copied. A ``lent`` one is its owner's to close.
+        # pristine env: it is only ever copied. A ``lent`` one is its owner's to close; a
+        # ``copied`` one is a copy of a caller's env (``copy_env``), not a build of the recipe.
         self.pristine: Any = pristine if pristine is not None else self._build()
         self.lent = lent
+        self.copied = copied
         self.other_reward_names = tuple(self.pristine.other_rewards)
 
     def _build(self) -> Any:
@@ -312,20 +316,24 @@ def hold(
             if pristine is not None:
                 _HELD[recipe_key] = (_Cached(recipe, pristine, lent=True), 1)
                 return True
-            # Another agent on the same env (scores play several): one pristine env for both.
-            twin = next(
-                (
-                    c.pristine
-                    for c, _ in _HELD.values()
-                    if (c.recipe.env_key, c.recipe.chronics) == (recipe.env_key, recipe.chronics)
-                    and not c.lent  # its lender may close it before this hold ends
-                    and copies_faithfully(c.pristine)
-                ),
-                None,
-            )
-            if twin is None and make is not None:
-                twin = make()
-            cached = _Cached(recipe, twin)
+            if make is not None:  # never another's build: the caller's env may differ from it
+                cached = _Cached(recipe, make(), copied=True)
+            else:
+                # Another agent on the same env (scores play several): one pristine env for
+                # both. Not a copy of a caller's env: it may hold what the params do not say.
+                twin = next(
+                    (
+                        c.pristine
+                        for c, _ in _HELD.values()
+                        if (c.recipe.env_key, c.recipe.chronics)
+                        == (recipe.env_key, recipe.chronics)
+                        and not c.lent  # its lender may close it before this hold ends
+                        and not c.copied
+                        and copies_faithfully(c.pristine)
+                    ),
+                    None,
+                )
+                cached = _Cached(recipe, twin)
         except Exception:
             _thaw()
             return False
