@@ -778,22 +778,29 @@ def _check_parameters_as_built(env: Any) -> None:
     """grid2op's Runner builds its env with the env's current parameters
     (``get_params_for_runner``), for its steps and its forecasts (``obs.simulate``) alike;
     ``copy_env``'s copies keep the env's own. Refuse rather than differ where those are not the
-    same: parameters given to ``env.change_parameters`` or ``change_forecast_parameters`` (the
-    copies apply them at their first reset), and forecasts on other parameters than the env's
+    same: parameters given to ``env.change_parameters`` or ``change_forecast_parameters``, a
+    reward to ``change_reward`` (the copies apply them at their first reset, or play the reward
+    a reset applied), and forecasts on other parameters than the env's
     (``change_parameters`` then a reset changes the env's, not its forecasts')."""
     pending = [
-        call
-        for call, attr in (
-            ("change_parameters", "_BaseEnv__new_param"),
-            ("change_forecast_parameters", "_BaseEnv__new_forecast_param"),
+        (call, what)
+        for call, attr, what in (
+            ("change_parameters", "_BaseEnv__new_param", "parameters"),
+            ("change_forecast_parameters", "_BaseEnv__new_forecast_param", "parameters"),
+            ("change_reward", "_BaseEnv__new_reward_func", "reward_class"),
         )
         if getattr(env, attr, None) is not None
     ]
+    reward = getattr(getattr(env, "_reward_helper", None), "template_reward", None)
+    if not pending and reward is not None and type(reward) is not env._rewardClass:
+        pending = [("change_reward", "reward_class")]  # applied by a reset since
     if pending:
+        call, what = pending[0]
         raise ValueError(
-            f"copy_env=True: the env has parameters given to env.{pending[0]}(...) that apply at "
-            "its next reset, so copies of it would not play as grid2op's Runner plays this env: "
-            "use copy_env=False (or pass the parameters to grid2op.make(..., param=...))"
+            f"copy_env=True: the env was given env.{call}(...), which grid2op's Runner does not "
+            "see (it builds its env from the env's runner parameters), so copies of it would not "
+            f"play as grid2op's Runner plays this env: use copy_env=False (or pass the {what} to "
+            "grid2op.make)"
         )
     forecasts = getattr(getattr(env, "_observation_space", None), "_simulate_parameters", None)
     if forecasts is not None and not _same_values(forecasts.to_dict(), env.parameters.to_dict()):

@@ -272,11 +272,11 @@ async def test_copy_env_starts_forked_workers_from_a_copy_of_the_env(
 async def test_copies_and_builds_of_one_env_stay_apart_across_runners(
     grid2op_reference: Any,
 ) -> None:
-    # A reward changed since make: grid2op's Runner (and copy_env=False) build the env its
+    # Chronics shuffled since make: grid2op's Runner (and copy_env=False) build the env its
     # params give, copy_env=True plays the caller's. Held under one key, a runner opened while
     # another was open played the other's env: copy_env=False the copy, copy_env=True a build.
     env = make_env()
-    env.change_reward(L2RPNReward)
+    env.chronics_handler.shuffle(lambda order: order[::-1])
     kwargs: dict[str, Any] = dict(nb_episode=2, max_iter=5, env_seeds=[1, 2], agent_seeds=[4, 5])
     built = grid2op_reference(env, RandomAgent, **kwargs)
 
@@ -285,7 +285,7 @@ async def test_copies_and_builds_of_one_env_stay_apart_across_runners(
             return [r.as_tuple() for r in await runner.run(**kwargs)]
 
     copied = await play(True)
-    assert copied != built  # the changed reward
+    assert copied != built  # other chronics
     for other, first in itertools.product((RandomAgent, DoNothingAgent), (True, False)):
         async with AsyncRunner(env, agent=other, workers=1, copy_env=first):  # one key, or twins
             assert await play(not first) == (built if first else copied)
@@ -334,12 +334,18 @@ async def test_copy_env_refuses_an_env_whose_forecasts_differ_from_a_build(env: 
         params = changed.parameters
         params.ENV_DC = params.FORECAST_DC = True
         changed.change_parameters(params)
-        await refused(r"change_parameters\(...\) that apply at its next reset.*copy_env=False")
+        await refused(r"change_parameters\(...\), which grid2op's Runner does not see.*False")
         changed.reset()
         await refused(r"forecasts \(obs\.simulate\) use other parameters than the env")
         changed.change_forecast_parameters(params)
-        await refused(r"change_forecast_parameters\(...\) that apply")
+        await refused(r"change_forecast_parameters\(...\), which")
         changed.reset()  # the env's and its forecasts' parameters are the same again
+        changed.change_reward(L2RPNReward)  # grid2op's Runner builds the make's reward
+        await refused(r"change_reward\(...\), which .* pass the reward_class to grid2op.make")
+        changed.reset()
+        await refused(r"change_reward\(...\), which")  # applied now, still not the built one
+        changed.change_reward(type(env._reward_helper.template_reward))
+        changed.reset()
         runner = quiet(GridRunner, **changed.get_params_for_runner(), agentClass=_BestOfSimulated)
         expected = grid2ops(runner.run, nb_episode=2, nb_process=1, **kwargs)
         async with AsyncRunner(
