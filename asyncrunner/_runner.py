@@ -792,7 +792,9 @@ def _check_parameters_as_built(env: Any) -> None:
         if getattr(env, attr, None) is not None
     ]
     reward = getattr(getattr(env, "_reward_helper", None), "template_reward", None)
-    if not pending and reward is not None and type(reward) is not env._rewardClass:
+    made = env._rewardClass  # the class given to make, or the instance
+    made = made if isinstance(made, type) else type(made)
+    if not pending and reward is not None and type(reward) is not made:
         pending = [("change_reward", "reward_class")]  # applied by a reset since
     if pending:
         call, what = pending[0]

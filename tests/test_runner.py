@@ -357,7 +357,7 @@ async def test_copy_env_refuses_an_env_whose_forecasts_differ_from_a_build(env: 
         changed.close()
 
 
-def test_copy_env_takes_an_env_made_with_a_nan_parameter() -> None:
+def test_copy_env_takes_an_env_made_with_a_nan_parameter_or_a_reward_instance() -> None:
     # grid2op takes SOFT_OVERFLOW_THRESHOLD=nan; the env's and its forecasts' parameters are
     # the same, and a NaN is not equal to itself: compared as the same value (found by review).
     from grid2op.Parameters import Parameters
@@ -367,6 +367,11 @@ def test_copy_env_takes_an_env_made_with_a_nan_parameter() -> None:
     params = Parameters()
     params.SOFT_OVERFLOW_THRESHOLD = float("nan")
     made = make_env(param=params)
+    try:
+        _check_parameters_as_built(made)
+    finally:
+        made.close()
+    made = make_env(reward_class=L2RPNReward())  # an instance given to make: not a change
     try:
         _check_parameters_as_built(made)
     finally:
