@@ -27,7 +27,7 @@ from ._engine._central import CentralAgent
 from ._engine._dispatch import Run, RunSettings
 from ._engine._envs import copies_faithfully, dropped, hold, release, warm
 from ._engine._parsed import ParsedAhead
-from ._engine._pool import WorkerPool
+from ._engine._pool import WorkerPool, on_trio
 from ._engine._recipe import agent_name, agent_recipe, class_attributes, env_key, recipes
 from ._exceptions import AsyncRunnerError, EpisodeError, unwrapped
 from ._model import EpisodeResult, Event, ParsedJson, ReadOnly
@@ -264,7 +264,10 @@ class AsyncRunner(AsyncResource):
         self._central = agent if isinstance(agent, CentralAgent) else None
         # Each mix's chronic names, as its workers' env orders them; a single env is the mix None.
         # Whether the workers start from copies of it (see _hold).
-        copied = copy_env and executor is None and _FORK and copies_faithfully(self._first_env)
+        # Whether copies of the env play as new envs (read here: it may be closed when the
+        # runner opens, ``_hold``).
+        self._faithful = copies_faithfully(self._first_env)
+        copied = copy_env and executor is None and _FORK and self._faithful
         if copied:
             # Its workers' env is a copy of the caller's, which may hold what the recipe does
             # not say (a reward changed since make): a key of its own keeps other runners'
@@ -364,7 +367,7 @@ class AsyncRunner(AsyncResource):
             return
         if self.copy_env:
             _check_parameters_as_built(self._first_env)
-        if not copies_faithfully(self._first_env):
+        if not self._faithful:
             # Each episode plays an env built for it: one built here would be shared by every
             # worker forked with it (a user backend's solver process, socket or files too).
             return
@@ -742,12 +745,11 @@ def _loop_closed(loop: tuple[str, object]) -> bool:
 
 def _current_loop() -> tuple[str, object]:
     """The async library running this task, and its running loop (trio: its token)."""
-    try:
-        return "asyncio", asyncio.get_running_loop()
-    except RuntimeError:
+    if on_trio():
         import trio
 
         return "trio", trio.lowlevel.current_trio_token()
+    return "asyncio", asyncio.get_running_loop()
 
 
 def _same(value: Any, then: Any) -> bool:

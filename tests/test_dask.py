@@ -141,12 +141,12 @@ async def test_a_runner_closed_while_its_local_cluster_starts_leaves_no_process(
                 await anyio.sleep(0.05)
 
 
-@BOTH_LOOPS
 async def test_a_scheduler_address_plays_without_sniffio(
     env: Any, cluster: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # anyio >= 4.12 no longer installs sniffio, nor does distributed: `pip install
-    # asyncrunner[dask]` has none (every episode failed "No module named 'sniffio'").
+    # asyncrunner[dask]` has none (every episode failed "No module named 'sniffio'"). Only on
+    # asyncio: trio requires sniffio.
     monkeypatch.setitem(sys.modules, "sniffio", None)
     async with AsyncRunner(
         env, agent=DoNothingAgent, workers=1, executor=cluster.scheduler_address

@@ -115,6 +115,37 @@ def test_a_runner_opened_under_trio_refuses_asyncio(env: Any) -> None:
     assert runner._pids and not any(alive(pid) for pid in runner._pids)
 
 
+def test_a_runner_under_trio_in_guest_mode_on_an_asyncio_loop(env: Any) -> None:
+    # trio's guest mode (a Qt or asyncio host loop) runs trio's tasks on an asyncio loop: the
+    # runner took asyncio's running loop for its own and started the warm-up's calls as asyncio
+    # tasks, which failed ("must be called from async context", printed by asyncio).
+    import trio
+
+    errors: list[dict[str, Any]] = []
+    results: list[Any] = []
+
+    async def play() -> None:
+        async with AsyncRunner(env, agent=DoNothingAgent, workers=1) as runner:
+            results.extend(await runner.run(1, max_iter=3))
+
+    async def host() -> None:
+        loop = asyncio.get_running_loop()
+        loop.set_exception_handler(lambda _, context: errors.append(context))
+        done: asyncio.Future[Any] = loop.create_future()
+        trio.lowlevel.start_guest_run(
+            play,
+            run_sync_soon_threadsafe=loop.call_soon_threadsafe,
+            done_callback=done.set_result,
+            host_uses_signal_set_wakeup_fd=True,
+        )
+        (await done).unwrap()
+        gc.collect()  # an asyncio task's error never retrieved is said as it is collected
+
+    asyncio.run(host())
+    assert steps(results) == [3]
+    assert errors == []
+
+
 def test_a_loop_closed_with_the_runner_starting_is_said_so(env: Any) -> None:
     # loop.close() without cancelling its tasks (a sync wrapper's own loop) as the warm-up ran:
     # the next loop was told another loop used the runner (or, with the warm-up forgotten,

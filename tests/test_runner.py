@@ -734,6 +734,9 @@ async def test_an_open_runner_saves_after_its_env_was_closed(tmp_path: Any) -> N
             await runner.run(1, max_iter=3, init_states=[{"set_line_status": [(0, -1)]}])
         with pytest.raises(ValueError, match=r"a CentralAgent needs the env .* open"):
             await central.run(1, max_iter=3)
+        # Entered again: it read the closed env's parts (found by review).
+        async with runner:
+            assert [r.nb_time_step for r in await runner.run(1, max_iter=3)] == [3]
     assert result.nb_time_step == 3
     [(_, name)] = EpisodeData.list_episode(str(tmp_path))
     assert len(EpisodeData.from_disk(str(tmp_path), name).actions) == 3

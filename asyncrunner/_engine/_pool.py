@@ -22,7 +22,7 @@ from ._channel import ChannelClosed
 from ._recipe import EpisodeJob
 from ._worker import run_episode, run_episodes
 
-__all__ = ["WorkerDied", "WorkerPool"]
+__all__ = ["WorkerDied", "WorkerPool", "on_trio"]
 
 T = TypeVar("T")
 
@@ -33,17 +33,25 @@ STOP_GRACE = 5.0
 _SPAWNED: set[asyncio.Task[None]] = set()
 
 
+def on_trio() -> bool:
+    """Whether the calling task runs on trio (anyio's other backend), as anyio tells: by sniffio,
+    which trio requires (trio's guest mode runs on an asyncio loop); without it, asyncio."""
+    try:
+        import sniffio
+    except ImportError:
+        return False
+    return bool(sniffio.current_async_library() == "trio")
+
+
 def _spawn(fn: Callable[..., Coroutine[Any, Any, None]], *args: Any) -> None:
     """Start ``fn(*args)`` in a task of its own, in none of the caller's task groups or cancel
     scopes (anyio has no call for that: it starts its process pool's shutdown task this way)."""
-    try:
-        loop = asyncio.get_running_loop()
-    except RuntimeError:  # anyio's other backend
+    if on_trio():
         import trio
 
         trio.lowlevel.spawn_system_task(fn, *args)
         return
-    task = loop.create_task(fn(*args))
+    task = asyncio.get_running_loop().create_task(fn(*args))
     _SPAWNED.add(task)
     task.add_done_callback(_SPAWNED.discard)
 
@@ -117,8 +125,11 @@ class WorkerPool(ABC):
         rather than start more processes. They run in a task of their own, not in a task group
         of the caller's: a task group left open until ``aclose`` would have to be closed in the
         caller's task, after every one it opened since (a runner opened in a startup hook, two
-        runners closed in the order opened).
+        runners closed in the order opened). Once per pool: a runner entered again, or another
+        runner on a shared pool, finds it warming or warm.
         """
+        if self._warming is not None:
+            return
         self._warm_left = count
         self._warm_send, self._warm_ready = anyio.create_memory_object_stream[None](count)
         self._warming = anyio.CancelScope(), anyio.Event()

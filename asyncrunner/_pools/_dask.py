@@ -34,7 +34,7 @@ import anyio
 import anyio.to_thread
 
 from .._engine import _channel
-from .._engine._pool import WorkerPool
+from .._engine._pool import WorkerPool, on_trio
 from .._engine._recipe import EpisodeJob
 from .._engine._worker import run_episode
 
@@ -252,7 +252,7 @@ class DaskExecutor:
             dist: Any = distributed  # untyped calls
             Client, LocalCluster = dist.Client, dist.LocalCluster
 
-            asyncio = _on_asyncio()
+            asyncio = not on_trio()
             if self._local_workers is not None:
                 options: dict[str, Any] = dict(
                     n_workers=self._local_workers,
@@ -309,7 +309,7 @@ class DaskExecutor:
         claim: tuple[str, str] | None,
     ) -> Any:
         client = await self._get_client()
-        if client.asynchronous and not _on_asyncio():
+        if client.asynchronous and on_trio():
             raise RuntimeError(
                 "an asynchronous Dask client lives on an asyncio loop: under trio, pass a "
                 "synchronous Client or the scheduler's address"
@@ -396,14 +396,6 @@ def _wait(client: Any, future: Any) -> Any:
             if future.done():  # it ended as the wait timed out, or raised TimeoutError itself
                 return future.result()
             _check_client(client)
-
-
-def _on_asyncio() -> bool:
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return False  # trio
-    return True
 
 
 def as_dask(executor: Any) -> DaskExecutor | None:

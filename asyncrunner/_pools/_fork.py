@@ -89,10 +89,6 @@ def _serve(
     # grid2op's Runner with one process: a daemonic process may not. This one is stopped by its
     # parent, or with it (above).
     multiprocessing.current_process().daemon = False
-    # Nor are its threads daemonic unless it asks (``Thread`` takes the starting thread's flag,
-    # here the forking thread's): a thread an agent leaves writing its log ends before the
-    # worker does, as in grid2op's Runner with one process (within the stop's grace).
-    threading.current_thread()._daemonic = False  # type: ignore[attr-defined]  # (no setter)
     # Ctrl-C reaches the whole process group: the parent decides (it cancels, which kills us).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.set_wakeup_fd(-1)  # the parent's event loop's, not ours
