@@ -511,6 +511,82 @@ def test_ctrl_c_reports_what_finished_and_the_printed_command_resumes(
     assert not [p for p in (tmp_path / "runs").iterdir() if p.name.startswith(".")]
 
 
+FAILS_ON_ONE = """
+
+class FailsOnOne(Slow):
+    # The second episode fails at its third step, and leaves a mark in the current folder.
+    episodes = 0
+
+    def reset(self, obs):
+        FailsOnOne.episodes += 1
+
+    def act(self, observation, reward, done=False):
+        if FailsOnOne.episodes == 2 and observation.current_step == 3:
+            open("failed", "w").close()
+            raise RuntimeError("boom in 0001")
+        return super().act(observation, reward, done)
+"""
+
+
+@pytest.mark.slow
+def test_ctrl_c_reports_the_episodes_that_failed_before_it(tmp_path: Path) -> None:
+    # Under --on-error continue, an episode that had failed before Ctrl-C appeared nowhere:
+    # no row, no traceback, only "2/4 finished" (found by a hunt).
+    (tmp_path / "agent.py").write_text(SLOW_AGENT + FAILS_ON_ONE)
+    argv = ["run", "--agent", "agent.py:FailsOnOne", "-n", "3", "-w", "1", "--max-iter", "50"]
+    argv += ["--save", "runs", "--on-error", "continue"]
+    proc = subprocess.Popen(
+        [_script(), *argv], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not (tmp_path / "failed").exists():  # the agent's mark: episode 1 failed
+            assert proc.poll() is None and time.monotonic() < deadline, "no episode failed"
+            time.sleep(0.05)
+        time.sleep(0.3)  # episode 2 plays (about 1 s)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:  # pragma: no cover - only when the test failed
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 130, err
+    assert "asyncrunner: interrupted; 1/3 episodes finished, 1 failed" in err
+    assert "episode 1 (0001) failed after 3 steps: RuntimeError: boom in 0001" in err
+    rows = [line.split() for line in out.splitlines()[1:]]
+    assert [row[:2] for row in rows] == [["0", "0000"], ["1", "0001"]]
+    assert "boom" in out.splitlines()[2]
+
+
+@pytest.mark.slow
+def test_ctrl_c_on_a_multimix_env_counts_and_finds_every_mix(tmp_path: Path) -> None:
+    # It said "1/1 episodes finished" (one per mix asked, two mixes) and "0 saved": it looked
+    # for the episodes in the save folder, not in its mixes' folders (found by a hunt).
+    (tmp_path / "slow_agent.py").write_text(SLOW_AGENT)
+    argv = ["run", "l2rpn_neurips_2020_track2", "--test", "--agent", "slow_agent.py:Slow"]
+    argv += ["-n", "1", "-w", "1", "--max-iter", "50", "--save", "runs"]
+    proc = subprocess.Popen(
+        [_script(), *argv], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not list((tmp_path / "runs").glob("*/*/asyncrunner.json")):
+            assert proc.poll() is None and time.monotonic() < deadline, "no episode finished"
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:  # pragma: no cover - only when the test failed
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 130, err
+    runs = tmp_path / "runs"
+    [saved] = [p.relative_to(runs) for p in runs.glob("*/*") if p.is_dir()]
+    assert "asyncrunner: interrupted; 1/2 episodes finished" in err
+    assert f"1 saved in runs: {saved}" in err
+    assert out.splitlines()[0].split()[:2] == ["index", "mix"]
+
+
 def test_a_full_disk_reports_what_was_saved_and_how_to_resume(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -218,6 +218,20 @@ def run_command(args: argparse.Namespace, parser: Parser, argv: list[str]) -> in
         f"{played}/{requested} episodes played{earlier}, {len(failed)} failed{stopped}, "
         f"{steps} steps in {elapsed:.1f} s{rate}"
     )
+    _print_failures(failed)
+    if args.save is not None and (failed or cancelled > 0):
+        kept = sum(r.error is None and r.path is not None for r in results)
+        resume = argv if args.resume else [*argv, "--resume"]
+        left = len(failed) + max(cancelled, 0)
+        print(
+            f"asyncrunner: {kept} saved in {args.save}; once fixed, play the other "
+            f"{left} with: asyncrunner {shlex.join(resume)}",
+            file=sys.stderr,
+        )
+    return 1 if failed else 0
+
+
+def _print_failures(failed: Sequence[EpisodeResult]) -> None:
     for r in failed:
         assert r.error is not None
         # The episode's own traceback (the agent's or env's code): what the user needs to fix.
@@ -230,16 +244,6 @@ def run_command(args: argparse.Namespace, parser: Parser, argv: list[str]) -> in
         )
         if error.traceback:
             print(error.traceback.rstrip(), file=sys.stderr)
-    if args.save is not None and (failed or cancelled > 0):
-        kept = sum(r.error is None and r.path is not None for r in results)
-        resume = argv if args.resume else [*argv, "--resume"]
-        left = len(failed) + max(cancelled, 0)
-        print(
-            f"asyncrunner: {kept} saved in {args.save}; once fixed, play the other "
-            f"{left} with: asyncrunner {shlex.join(resume)}",
-            file=sys.stderr,
-        )
-    return 1 if failed else 0
 
 
 def _note_earlier_run(save: str) -> None:
@@ -264,22 +268,33 @@ def _report_stopped(
     plays the rest."""
     tracker = settings.tracker
     done = [tracker.finished[i] for i in sorted(tracker.finished)]
+    failed = [tracker.failed[i] for i in sorted(tracker.failed) if i not in tracker.finished]
+    mixes = list(mixes_of(settings.env) or {})  # a multimix env saves in DIR/<mix>
     if args.save is not None:
         from .._plan._layout import damage, saved_episodes
 
         # What is really on disk: an episode that finished as the run was cancelled may not be.
+        folders = [args.save, *(os.path.join(args.save, mix) for mix in mixes)]
         on_disk = {
             record.get("index"): folder
-            for folder, record in saved_episodes(args.save)
+            for root in folders
+            if os.path.isdir(root)
+            for folder, record in saved_episodes(root)
             if record.get("run_id") == tracker.run_id and damage(folder, record) is None
         }
         done = [_replace(r, path=on_disk.get(r.index)) for r in done]
-    if done:
-        _print_table(done, seeded=args.seed is not None)
+    if done or failed:
+        _print_table(sorted([*done, *failed], key=lambda r: r.index), seeded=args.seed is not None)
+    requested = settings.nb_episode * len(mixes or [None])
     print(
-        f"asyncrunner: {why}; {len(done)}/{settings.nb_episode} episodes finished",
+        f"asyncrunner: {why}; {len(done)}/{requested} episodes finished"
+        + (f", {len(failed)} failed" if failed else "")
+        + (
+            " in this run (those saved before are kept: --resume skips them)" if args.resume else ""
+        ),
         file=sys.stderr,
     )
+    _print_failures(failed)
     if args.save is None:
         print(
             "asyncrunner: nothing was saved; run with --save DIR to keep finished episodes and "
@@ -287,9 +302,10 @@ def _report_stopped(
             file=sys.stderr,
         )
         return
-    saved = [os.path.basename(r.path) for r in done if r.path is not None]
+    saved = [os.path.relpath(r.path, args.save) for r in done if r.path is not None]
     print(
         f"asyncrunner: {len(saved)} saved in {args.save}"
+        + (" by this run" if args.resume else "")
         + (f": {', '.join(saved)}" if saved else ""),
         file=sys.stderr,
     )

@@ -168,6 +168,7 @@ class _Tracker(Sink):
         self.run_id: str | None = None
         self.started: dict[int, EpisodeStarted] = {}
         self.finished: dict[int, EpisodeResult] = {}
+        self.failed: dict[int, EpisodeResult] = {}  # for good (not retried)
 
     async def send(self, event: Event) -> None:
         if isinstance(event, RunStarted):
@@ -177,7 +178,18 @@ class _Tracker(Sink):
                 self.first = time.perf_counter()
             self.started[event.index] = event
         elif isinstance(event, EpisodeFinished):
-            self.finished[event.index] = EpisodeResult.of_finished(event)
+            mix = self.started[event.index].mix if event.index in self.started else None
+            self.finished[event.index] = EpisodeResult.of_finished(event, mix=mix)
+        elif isinstance(event, EpisodeFailed) and not event.retrying:
+            started = self.started.get(event.index)
+            seeds = (None, None) if started is None else (started.env_seed, started.agent_seed)
+            self.failed[event.index] = EpisodeResult.of_failed(
+                event,
+                started,
+                env_seed=seeds[0],
+                agent_seed=seeds[1],
+                mix=None if started is None else started.mix,
+            )
 
     def failed_result(self, failure: EpisodeFailed, kwargs: dict[str, Any]) -> EpisodeResult:
         started = self.started.get(failure.index)
