@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -454,6 +455,30 @@ class Slow(BaseAgent):
 """
 
 
+def _interrupted(
+    tmp_path: Path, argv: list[str], ready: Callable[[], bool], sent: int = signal.SIGINT
+) -> tuple[int, str, str, float]:
+    """``asyncrunner ARGV`` in ``tmp_path``, sent ``sent`` once ``ready()``: its exit status,
+    stdout, stderr, and the seconds it took to end after the signal."""
+    proc = subprocess.Popen(
+        [_script(), *argv], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not ready():
+            assert proc.poll() is None and time.monotonic() < deadline, "never ready"
+            time.sleep(0.05)
+        proc.send_signal(sent)
+        start = time.monotonic()
+        out, err = proc.communicate(timeout=60)
+        stopped = time.monotonic() - start
+    finally:
+        if proc.poll() is None:  # pragma: no cover - only when the test failed
+            proc.kill()
+            proc.communicate()
+    return proc.returncode, out, err, stopped
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("sent", "status", "why"),
@@ -467,23 +492,9 @@ def test_ctrl_c_reports_what_finished_and_the_printed_command_resumes(
     (tmp_path / "slow_agent.py").write_text(SLOW_AGENT)
     argv = ["run", "--agent", "slow_agent.py:Slow", "-n", "3", "-w", "1", "--max-iter", "50"]
     argv += ["--seed", "0", "--save", "runs"]
-    proc = subprocess.Popen(
-        [_script(), *argv], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    )
-    try:
-        deadline = time.monotonic() + 120
-        while not list((tmp_path / "runs").glob("*/asyncrunner.json")):
-            assert proc.poll() is None and time.monotonic() < deadline, "no episode finished"
-            time.sleep(0.05)
-        proc.send_signal(sent)
-        start = time.monotonic()
-        out, err = proc.communicate(timeout=60)
-        stopped = time.monotonic() - start
-    finally:
-        if proc.poll() is None:  # pragma: no cover - only when the test failed
-            proc.kill()
-            proc.communicate()
-    assert proc.returncode == status, err
+    one_saved = lambda: any((tmp_path / "runs").glob("*/asyncrunner.json"))  # noqa: E731
+    returncode, out, err, stopped = _interrupted(tmp_path, argv, one_saved, sent)
+    assert returncode == status, err
     assert "Traceback" not in err
     assert stopped < QUICK
     assert not [p for p in (tmp_path / "runs").iterdir() if p.name.startswith(".")]
@@ -535,22 +546,15 @@ def test_ctrl_c_reports_the_episodes_that_failed_before_it(tmp_path: Path) -> No
     (tmp_path / "agent.py").write_text(SLOW_AGENT + FAILS_ON_ONE)
     argv = ["run", "--agent", "agent.py:FailsOnOne", "-n", "3", "-w", "1", "--max-iter", "50"]
     argv += ["--save", "runs", "--on-error", "continue"]
-    proc = subprocess.Popen(
-        [_script(), *argv], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    )
-    try:
-        deadline = time.monotonic() + 120
-        while not (tmp_path / "failed").exists():  # the agent's mark: episode 1 failed
-            assert proc.poll() is None and time.monotonic() < deadline, "no episode failed"
-            time.sleep(0.05)
-        time.sleep(0.3)  # episode 2 plays (about 1 s)
-        proc.send_signal(signal.SIGINT)
-        out, err = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:  # pragma: no cover - only when the test failed
-            proc.kill()
-            proc.communicate()
-    assert proc.returncode == 130, err
+
+    def failed() -> bool:  # the agent's mark: episode 1 failed; then episode 2 plays (1 s)
+        if not (tmp_path / "failed").exists():
+            return False
+        time.sleep(0.3)
+        return True
+
+    returncode, out, err, _ = _interrupted(tmp_path, argv, failed)
+    assert returncode == 130, err
     assert "asyncrunner: interrupted; 1/3 episodes finished, 1 failed" in err
     assert "episode 1 (0001) failed after 3 steps: RuntimeError: boom in 0001" in err
     rows = [line.split() for line in out.splitlines()[1:]]
@@ -565,21 +569,9 @@ def test_ctrl_c_on_a_multimix_env_counts_and_finds_every_mix(tmp_path: Path) -> 
     (tmp_path / "slow_agent.py").write_text(SLOW_AGENT)
     argv = ["run", "l2rpn_neurips_2020_track2", "--test", "--agent", "slow_agent.py:Slow"]
     argv += ["-n", "1", "-w", "1", "--max-iter", "50", "--save", "runs"]
-    proc = subprocess.Popen(
-        [_script(), *argv], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    )
-    try:
-        deadline = time.monotonic() + 120
-        while not list((tmp_path / "runs").glob("*/*/asyncrunner.json")):
-            assert proc.poll() is None and time.monotonic() < deadline, "no episode finished"
-            time.sleep(0.05)
-        proc.send_signal(signal.SIGINT)
-        out, err = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:  # pragma: no cover - only when the test failed
-            proc.kill()
-            proc.communicate()
-    assert proc.returncode == 130, err
+    in_a_mix = lambda: any((tmp_path / "runs").glob("*/*/asyncrunner.json"))  # noqa: E731
+    returncode, out, err, _ = _interrupted(tmp_path, argv, in_a_mix)
+    assert returncode == 130, err
     runs = tmp_path / "runs"
     [saved] = [p.relative_to(runs) for p in runs.glob("*/*") if p.is_dir()]
     assert "asyncrunner: interrupted; 1/2 episodes finished" in err
