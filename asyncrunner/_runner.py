@@ -267,7 +267,7 @@ class AsyncRunner(AsyncResource):
         # Whether copies of the env play as new envs (read here: it may be closed when the
         # runner opens, ``_hold``).
         self._faithful = copies_faithfully(self._first_env)
-        copied = copy_env and executor is None and _FORK and self._faithful
+        copied = self._copied = copy_env and executor is None and _FORK and self._faithful
         if copied:
             # Its workers' env is a copy of the caller's, which may hold what the recipe does
             # not say (a reward changed since make): a key of its own keeps other runners'
@@ -376,7 +376,7 @@ class AsyncRunner(AsyncResource):
                 return  # another opening of this runner holds it, or is holding it
             done = self._holding = threading.Event()
             self._closed_hold = False
-        make = self._first_env.copy if self.copy_env else None
+        make = self._first_env.copy if self._copied else None  # under its own key (__init__)
         key = self._recipe_key
 
         def holding() -> None:

@@ -299,9 +299,10 @@ def hold(
     recipe's params and never played (compat's, built by grid2op's Runner constructor), held
     instead of a new build; the caller closes it. ``make``: returns the env to hold instead of a
     build (``AsyncRunner(copy_env=True)``: a copy of the caller's env), closed by the last
-    ``release``; not called when the recipe is held already. Recipes of other agents on the same env
-    (``Recipe.env_key``) share one pristine env: a worker plays one call at a time, so two
-    episodes never copy it at once. While this process holds any env, the objects it had before
+    ``release``; not called when the recipe is held already (give such a recipe a key of its
+    own). Recipes of other agents on the same env (``Recipe.env_key``) share one pristine build,
+    never a ``make``'s env: a worker plays one call at a time, so two episodes never copy it at
+    once. While this process holds any env, the objects it had before
     are out of its collections (``_freeze``).
     """
     with _ENVS_LOCK:
