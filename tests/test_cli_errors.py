@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from grid2op.Agent import BaseAgent
 
 from asyncrunner._cli import main
 
@@ -208,6 +209,65 @@ def test_abstract_agent_is_refused_by_the_runner(env: Any) -> None:
 
     with pytest.raises(TypeError, match="BaseAgent is abstract"):
         AsyncRunner(env, agent=BaseAgent)
+
+
+class _NeedsWeights(BaseAgent):
+    def __init__(self, action_space: Any, weights: str) -> None:
+        super().__init__(action_space)
+        self.weights = weights
+
+    def act(self, observation: Any, reward: float, done: bool = False) -> Any:
+        return self.action_space({})
+
+
+def test_agent_needing_more_than_the_action_space_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    agent = tmp_path / "needs.py"
+    agent.write_text(
+        "from grid2op.Agent import BaseAgent\n"
+        "class Needs(BaseAgent):\n"
+        "    def __init__(self, action_space, weights):\n"
+        "        super().__init__(action_space)\n"
+        "    def act(self, observation, reward, done=False):\n"
+        "        return self.action_space({})\n"
+    )
+    _usage_error(
+        ["run", *SMALL, "--agent", f"{agent}:Needs"],
+        "agent class Needs cannot be called with the env's action space alone",
+        capsys,
+    )
+
+
+@pytest.mark.parametrize(
+    ("agent", "what"),
+    [
+        (_NeedsWeights, "agent class _NeedsWeights"),
+        (lambda: None, "agent factory <lambda>"),
+        (lambda action_space, weights: None, "agent factory <lambda>"),
+    ],
+)
+def test_agent_needing_more_than_the_action_space_is_refused_by_the_runner(
+    env: Any, agent: Any, what: str
+) -> None:
+    from asyncrunner import AsyncRunner
+
+    with pytest.raises(TypeError, match=f"{what} cannot be called with the env's action space"):
+        AsyncRunner(env, agent=agent)
+
+
+def test_a_factory_returning_no_agent_fails_its_episodes_saying_so(env: Any) -> None:
+    import anyio
+
+    from asyncrunner import AsyncRunner, EpisodeError
+
+    async def main() -> None:
+        async with AsyncRunner(env, agent=lambda action_space: 42, workers=1) as runner:
+            with pytest.raises(EpisodeError) as caught:
+                await runner.run(1, max_iter=5)
+        assert "returned int, not a grid2op BaseAgent" in str(caught.value)
+
+    anyio.run(main)
 
 
 def test_unreachable_scheduler_fails_fast(capsys: pytest.CaptureFixture[str]) -> None:

@@ -100,8 +100,19 @@ class _Cached:
 
     def new_agent(self, env: Any) -> Any:
         kind, agent = self.recipe.agent_kind, self.recipe.agent
-        if kind in ("class", "factory"):
+        if kind == "class":
             return agent(env.action_space)
+        if kind == "factory":
+            from grid2op.Agent import BaseAgent
+
+            made = agent(env.action_space)
+            if not isinstance(made, BaseAgent):
+                raise TypeError(
+                    f"agent factory {getattr(agent, '__qualname__', repr(agent))} returned "
+                    f"{type(made).__qualname__}, not a grid2op BaseAgent: a factory takes the "
+                    "env's action space and returns the agent that plays the episode"
+                )
+            return made
         return copy.copy(agent)
 
 

@@ -201,6 +201,7 @@ def agent_recipe(agent: Any) -> tuple[str, Any]:
                 f"agent class {agent.__qualname__} is abstract (it does not define {missing}): "
                 "pass a concrete agent such as DoNothingAgent, or a subclass that defines it"
             )
+        _check_call(agent, f"agent class {agent.__qualname__}")
         return "class", agent
     if isinstance(agent, BaseAgent):
         try:
@@ -214,11 +215,30 @@ def agent_recipe(agent: Any) -> tuple[str, Any]:
             ) from exc
         return "instance", agent
     if callable(agent):
+        _check_call(agent, f"agent factory {getattr(agent, '__qualname__', repr(agent))}")
         return "factory", agent
     raise TypeError(
         f"agent must be a BaseAgent subclass, a BaseAgent instance or a callable "
         f"(action_space) -> BaseAgent, got {type(agent).__name__}"
     )
+
+
+def _check_call(agent: Any, what: str) -> None:
+    """Each episode builds its agent as ``agent(action_space)`` (as grid2op's Runner builds
+    ``agentClass``): refuse, before any episode, what cannot be called so."""
+    try:
+        signature = inspect.signature(agent)
+    except (TypeError, ValueError):
+        return  # no signature to read (a builtin): the call says what is wrong
+    try:
+        signature.bind(None)
+    except TypeError as exc:
+        raise TypeError(
+            f"{what} cannot be called with the env's action space alone ({exc}), and each "
+            "episode builds its agent as agent(action_space): pass a factory that takes the "
+            "action space and gives the rest, such as functools.partial(MyAgent, arg=...) or "
+            "lambda action_space: MyAgent(action_space, ...)"
+        ) from None
 
 
 def class_attributes(cls: type) -> dict[str, Any]:
