@@ -211,7 +211,7 @@ def test_abstract_agent_is_refused_by_the_runner(env: Any) -> None:
         AsyncRunner(env, agent=BaseAgent)
 
 
-class _NeedsWeights(BaseAgent):
+class _NeedsWeights(BaseAgent):  # type: ignore[misc]  # grid2op is untyped
     def __init__(self, action_space: Any, weights: str) -> None:
         super().__init__(action_space)
         self.weights = weights
