@@ -290,7 +290,13 @@ def test_score_refusals_are_one_line_before_any_episode(
     taken.write_text("")
     _usage_error(
         [*score, "--competition", "l2rpn_2020", "--cache-dir", str(taken)],
-        "`cache_dir` " + repr(str(taken)) + " is a file",
+        "--cache-dir " + repr(str(taken)) + " is a file",  # the option, not score()'s argument
+        capsys,
+        prog="score",
+    )
+    _usage_error(
+        [*score[:3], "--nb-scenario", "99", "--competition", "l2rpn_2020"],
+        "--nb-scenario is 99 but the env has 3 scenarios",
         capsys,
         prog="score",
     )
@@ -330,6 +336,20 @@ def test_failed_row_names_its_chronic_and_length_and_the_traceback_is_on_stderr(
     assert row[:3] == ["0", "0000", "3/5"]  # not "-" and "3/?"
     assert "episode 0 (0000) failed after 3 steps: ValueError: boom at step 3" in err
     assert 'boom_continue.py", line' in err and "Traceback" in err
+
+
+def test_failed_score_names_the_agent_whose_episode_failed(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = [
+        "score", "--agent", "DoNothingAgent", "--agent", _agents(tmp_path, "boom_score"),
+        "--competition", "l2rpn_2020", "--nb-scenario", "1", "--max-step", "5",
+        "--workers", "1", "--cache-dir", str(tmp_path / "cache"),
+    ]  # fmt: skip
+    code, _, err, _ = _main(argv, capsys)
+    assert code == 1
+    assert "episode 0 failed after 3 steps: ValueError: boom at step 3" in err
+    assert err.rstrip().endswith("(scenario 0 of agent 'Boom')")
 
 
 def test_failed_row_under_raise_names_its_chronic(

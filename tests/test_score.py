@@ -318,8 +318,10 @@ async def test_a_failing_agent_or_cache_folder_raises_its_own_error(
     with pytest.raises(ValueError, match=r"`cache_dir` .* is a file: give a folder"):
         await asyncrunner.score(env, DoNothingAgent, cache_dir=taken, **kwargs)
     # As AsyncRunner.run raises it, not inside an exception group of the score's runs.
-    with pytest.raises(asyncrunner.EpisodeError, match="the agent's bug"):
+    with pytest.raises(asyncrunner.EpisodeError, match="the agent's bug") as caught:
         await asyncrunner.score(env, FailingAgent, cache_dir=tmp_path / "cache", **kwargs)
+    # Agents and references play at once: the error says whose episode it was.
+    assert caught.value.__notes__ == ["(scenario 0 of agent 'FailingAgent')"]
 
 
 @pytest.mark.slow

@@ -156,9 +156,13 @@ def main(argv: Sequence[str]) -> int:
             )
         )
     except ValueError as exc:
-        parser.error(str(exc))
+        message = str(exc)
+        for argument, option in _OPTIONS.items():
+            message = message.replace(argument, option)
+        parser.error(message)
     except EpisodeError as exc:
-        print(f"asyncrunner score: {exc}", file=sys.stderr)
+        notes = "".join(f"\n{note}" for note in getattr(exc, "__notes__", ()))
+        print(f"asyncrunner score: {str(exc).rstrip()}{notes}", file=sys.stderr)
         return 1
     except Grid2OpException as exc:  # the competition's class refused the env (before any episode)
         parser.error(f"{args.competition} on this env: {exc}")
@@ -178,6 +182,10 @@ def main(argv: Sequence[str]) -> int:
         figure(results).savefig(args.plot)
         print(f"plot written to {args.plot}", file=sys.stderr if args.json else sys.stdout)
     return 0
+
+
+# score()'s messages name its arguments; here they are these options.
+_OPTIONS = {"`nb_scenario`": "--nb-scenario", "`path_save`": "--save", "`cache_dir`": "--cache-dir"}
 
 
 def _as_dict(result: ScoreResult) -> dict[str, Any]:

@@ -25,7 +25,7 @@ from typing import Any
 import anyio
 import anyio.to_thread
 
-from .._exceptions import unwrapped
+from .._exceptions import EpisodeError, unwrapped
 from .._plan._arguments import at_least
 from .._plan._mixes import mixes_of
 from .._runner import AsyncRunner, sharing_workers, usable_cpus
@@ -150,14 +150,20 @@ async def _play_and_score(
     results: list[Any] = [None] * len(plan.jobs)
 
     async def play(i: int, folder: str) -> None:
-        results[i] = await runners[i].run(
-            plan.nb,
-            path_save=os.path.join(plan.root, folder),
-            max_iter=plan.max_iter,
-            env_seeds=env_seeds,
-            agent_seeds=agent_seeds,
-            resume=resume,
-        )
+        try:
+            results[i] = await runners[i].run(
+                plan.nb,
+                path_save=os.path.join(plan.root, folder),
+                max_iter=plan.max_iter,
+                env_seeds=env_seeds,
+                agent_seeds=agent_seeds,
+                resume=resume,
+            )
+        except EpisodeError as exc:
+            # Agents and references play at once: say whose episode it was.
+            whose = "the reference" if i < len(plan.todo) else "agent"
+            exc.add_note(f"(scenario {exc.failure.index} of {whose} {folder!r})")
+            raise
 
     # One pool for every runner: the references' and the agents' episodes interleave on the
     # same warm workers.
