@@ -7,15 +7,18 @@ Most cases call the CLI's ``main(argv)`` in this process (fast); the subprocess 
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import shlex
 import shutil
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -276,6 +279,52 @@ def test_unreachable_scheduler_fails_fast(capsys: pytest.CaptureFixture[str]) ->
         "no Dask scheduler reachable there",
         capsys,
     )
+
+
+@contextlib.contextmanager
+def _listener(greeting: bytes | None) -> Iterator[str]:
+    """A TCP server on this machine that greets each connection with ``greeting`` (None: says
+    nothing, as an HTTP server), at its ``tcp://`` address."""
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        accepted: list[socket.socket] = []
+
+        def serve() -> None:
+            with contextlib.suppress(OSError):
+                connection, _ = server.accept()
+                accepted.append(connection)
+                if greeting is not None:
+                    connection.sendall(greeting)
+
+        thread = threading.Thread(target=serve, daemon=True)
+        thread.start()
+        try:
+            yield f"tcp://127.0.0.1:{server.getsockname()[1]}"
+        finally:
+            thread.join(10)
+            for connection in accepted:
+                connection.close()
+
+
+def test_a_scheduler_address_where_no_dask_scheduler_answers_is_refused(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from asyncrunner._pools._dask import unreachable
+
+    # An SSH server: Dask's client read its greeting as a message length (2.82 EiB) and failed
+    # with a traceback.
+    with _listener(b"SSH-2.0-OpenSSH_9.6\r\n") as address:
+        _usage_error(
+            ["run", *SMALL, "--scheduler", address],
+            f"--scheduler {address}: no Dask scheduler reachable there (something answered "
+            "b'SSH-2.0-'..., not a Dask scheduler's greeting)",
+            capsys,
+        )
+    # An HTTP server (the dashboard's port): Dask's client waited for ever.
+    with _listener(None) as address:
+        assert unreachable(address, timeout=0.2) == (
+            "something listens there but does not greet as a Dask scheduler does: a "
+            "dashboard's port?"
+        )
 
 
 def test_resume_needs_save(capsys: pytest.CaptureFixture[str]) -> None:

@@ -338,8 +338,11 @@ def dask_commands(tmp_path: Path) -> Iterator[Commands]:
 async def test_scheduler_and_workers_started_with_dask_commands(
     env: Any, dask_commands: Commands
 ) -> None:
+    from asyncrunner._pools._dask import unreachable
     from asyncrunner.dask import DaskExecutor
 
+    # What `asyncrunner run --scheduler` checks first: a real scheduler greets as it expects.
+    assert unreachable(dask_commands.address) is None
     # The scheduler's address, and the channel on TCP as for workers on other machines.
     executor = DaskExecutor(dask_commands.address, listen="tcp://127.0.0.1:0")
     async with AsyncRunner(env, agent=DoNothingAgent, workers=2, executor=executor) as runner:

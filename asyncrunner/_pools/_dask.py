@@ -26,6 +26,7 @@ import contextlib
 import ipaddress
 import math
 import socket
+import struct
 import uuid
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
@@ -111,10 +112,12 @@ def default_listen(scheduler: str) -> str | None:
     return f"tcp://[{mine}]:0" if ":" in mine else f"tcp://{mine}:0"
 
 
-def unreachable(address: str) -> str | None:
-    """Why no Dask scheduler can answer at ``address`` (nothing listens there, no such host), or
-    None: something listens, or the scheme is not TCP (left to Dask). Dask's client would retry
-    until its connect timeout (30 s), at every call."""
+def unreachable(address: str, timeout: float = 5.0) -> str | None:
+    """Why no Dask scheduler can answer at ``address`` (nothing listens there, no such host,
+    something that is no Dask scheduler), or None: a Dask scheduler greeted us, or the scheme is
+    not TCP (left to Dask). Dask's client would retry until its connect timeout (30 s), at every
+    call, and hangs at something that listens but never greets it (an HTTP server: the
+    dashboard's port)."""
     scheme, _, rest = address.rpartition("://")
     if scheme not in ("", "tcp"):
         return None
@@ -122,10 +125,41 @@ def unreachable(address: str) -> str | None:
     if not sep:
         host, port = rest, "8786"
     try:
-        with socket.create_connection((host.strip("[]"), int(port)), timeout=5):
-            return None
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout) as conn:
+            return _no_greeting(conn)
     except (OSError, ValueError) as exc:
         return getattr(exc, "strerror", None) or str(exc) or type(exc).__name__
+
+
+def _no_greeting(conn: socket.socket) -> str | None:
+    """Why what accepted ``conn`` is no Dask scheduler, or None: a scheduler greets each new
+    connection at once with its handshake, one message of a few hundred bytes (its length as 8
+    bytes, then that many; distributed.comm.tcp)."""
+    try:
+        head = _receive(conn, 8)
+        (size,) = struct.unpack("Q", head)
+        if size > _GREETING_MAX:
+            return f"something answered {head!r}..., not a Dask scheduler's greeting"
+        _receive(conn, size)
+    except TimeoutError:
+        return (
+            "something listens there but does not greet as a Dask scheduler does: a "
+            "dashboard's port?"
+        )
+    return None
+
+
+_GREETING_MAX = 1 << 20
+
+
+def _receive(conn: socket.socket, size: int) -> bytes:
+    data = b""
+    while len(data) < size:
+        chunk = conn.recv(size - len(data))
+        if not chunk:
+            raise ConnectionResetError(0, "it closed the connection without a Dask greeting")
+        data += chunk
+    return data
 
 
 class DaskExecutor:
