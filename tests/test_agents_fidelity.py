@@ -467,19 +467,25 @@ class EveryFifthStep(BaseOpponent):  # type: ignore[misc]  # grid2op is untyped
 
 
 class ScaledVoltages(ControlVoltageFromFile):  # type: ignore[misc]  # grid2op is untyped
-    """Sets an attribute in ``__init__`` and reads it at every step."""
+    """Sets attributes in ``__init__`` and reads them at every step: a scale, and its calls
+    (never reset: a new env's controller has had one, at the build's step)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.scale = 1.0
+        self.calls = 0
 
     def fix_voltage(self, observation: Any, agent_action: Any, env_action: Any, v: Any) -> Any:
-        return super().fix_voltage(observation, agent_action, env_action, v * self.scale)
+        self.calls += 1
+        scale = self.scale * (1.0 + 0.001 * self.calls)
+        return super().fix_voltage(observation, agent_action, env_action, v * scale)
 
 
 class StepCountReward(BaseReward):  # type: ignore[misc]  # grid2op is untyped
     """Keeps the env ``initialize`` gives it, and reads its step count; plus the lines in
-    service (an attack shows); times ``scale`` (an instance given to make keeps its own)."""
+    service (an attack shows), its calls since ``initialize`` (never reset: a new env's reward
+    has had one, at the build's step) and the generators' voltages (the voltage controller's);
+    times ``scale`` (an instance given to make keeps its own)."""
 
     def __init__(self, scale: float = 1.0, logger: Any = None) -> None:
         super().__init__(logger=logger)
@@ -487,10 +493,14 @@ class StepCountReward(BaseReward):  # type: ignore[misc]  # grid2op is untyped
 
     def initialize(self, env: Any) -> None:
         self.env = env
+        self.calls = 0
         self.reward_min, self.reward_max = 0.0, 1000.0
 
     def __call__(self, action: Any, env: Any, *flags: Any) -> float:
-        return self.scale * float(self.env.nb_time_step + env.backend.get_line_status().sum())
+        self.calls += 1
+        seen = self.env.nb_time_step + env.backend.get_line_status().sum()
+        volts = env.backend.generators_info()[2].sum()
+        return self.scale * float(seen + 0.01 * self.calls + 1e-4 * volts)
 
 
 def test_a_users_opponent_voltage_controller_and_rewards_play_as_in_grid2op() -> None:
@@ -511,7 +521,8 @@ def test_a_users_opponent_voltage_controller_and_rewards_play_as_in_grid2op() ->
     )
     try:
         expected = grid2op_run({**env.get_params_for_runner(), "agentClass": DoNothingAgent})
-        untouched = 2 * (210.0 + 20 * env.n_line)  # steps 1 + ... + 20, every line in service
+        # Steps 1 + ... + 20, every line in service, the calls 2 + ... + 21 (one at the build).
+        untouched = 2 * (210.0 + 20 * env.n_line + 0.01 * 230)
         assert all(420.0 < r[1] < untouched for r in expected)  # the opponent attacked
         assert async_run(env, DoNothingAgent) == expected
     finally:

@@ -140,31 +140,30 @@ def fresh_copy(pristine: Any) -> Any:
             initial = part._cst_prev_state_at_init.copy()
             initial.prevent_modification()
             part._cst_prev_state_at_init = initial
-    _rebuild_user_parts(env)
+    _rebuild_user_parts(pristine, env)
     return env
 
 
-def _rebuild_user_parts(env: Any) -> None:
-    """Rewards, opponent and voltage controller of classes not grid2op's own, made for ``env``
-    as grid2op makes them for a new env.
+def _rebuild_user_parts(pristine: Any, env: Any) -> None:
+    """Rewards, opponent and voltage controller of classes not grid2op's own, in ``env`` (a
+    copy of ``pristine``) as grid2op makes them for a new env.
 
     grid2op's copy deep-copies the rewards (one that keeps the env given to ``initialize``
     would read the pristine env, never played) and rebuilds the opponent and the voltage
     controller with ``__new__`` and ``_custom_deepcopy_for_copy`` (what ``__init__`` or the
     opponent's ``init`` set is lost, unless the class copies it). grid2op's own classes copy
-    correctly (tests/test_parity.py); a user's class is made afresh, as in ``Environment``, for
-    the env and for its forecast env (``obs.simulate``), as ``ObservationSpace`` makes them.
+    correctly (tests/test_parity.py). A user's rewards and voltage controller are ``pristine``'s
+    as its build left them (``_carried``: a new env's have played the build's step); its
+    opponent is made afresh (grid2op resets an opponent at each reset), and so are the forecast
+    env's rewards (``obs.simulate``: no step at its build), as ``ObservationSpace`` makes them.
     """
     from grid2op.Reward import RewardHelper
 
-    if not _grid2ops(env._reward_helper.template_reward):
-        # ``_rewardClass``: the class, or the instance given to make (copied with what it holds)
-        env._reward_helper = RewardHelper(env._rewardClass, logger=env._reward_helper.logger)
-        env._reward_helper.initialize(env)
-    for name, helper in list(env.other_rewards.items()):
+    if not _grid2ops(pristine._reward_helper.template_reward):
+        env._reward_helper = _carried(pristine._reward_helper, pristine, env)
+    for name, helper in pristine.other_rewards.items():
         if not _grid2ops(helper.template_reward):
-            env.other_rewards[name] = RewardHelper(helper.rewardClass, logger=helper.logger)
-            env.other_rewards[name].initialize(env)
+            env.other_rewards[name] = _carried(helper, pristine, env)
     space = env._observation_space
     forecasts = getattr(space, "obs_env", None)
     if forecasts is not None:
@@ -178,13 +177,8 @@ def _rebuild_user_parts(env: Any) -> None:
                 forecasts.other_rewards[name] = RewardHelper(helper.rewardClass, forecasts.logger)
                 forecasts.other_rewards[name].initialize(forecasts)
                 forecasts.other_rewards[name].reset(forecasts)
-    if env._voltage_controler is not None and not _grid2ops(env._voltage_controler):
-        env._voltage_controler = env._voltagecontrolerClass(
-            gridobj=type(env.backend),
-            controler_backend=env.backend,
-            actionSpace_cls=env._helper_action_class,
-            _local_dir_cls=env._local_dir_cls,
-        )
+    if pristine._voltage_controler is not None and not _grid2ops(pristine._voltage_controler):
+        env._voltage_controler = _carried(pristine._voltage_controler, pristine, env)
     if not (_grid2ops(env._opponent) and _grid2ops(env._oppSpace)):
         env._opponent = env._opponent_class(env._opponent_action_space)
         env._oppSpace = env._opponent_space_type(
@@ -198,6 +192,25 @@ def _rebuild_user_parts(env: Any) -> None:
         )
         env._oppSpace.init_opponent(partial_env=env, **env._kwargs_opponent)
         env._oppSpace.reset()
+
+
+def _carried(part: Any, pristine: Any, env: Any) -> Any:
+    """A deep copy of ``part``, one of ``pristine``'s, for ``env``, a copy of ``pristine``: what
+    it holds as ``pristine``'s build left it (grid2op's build plays one step: a reward or a
+    voltage controller that counts its calls has counted one), and where it holds ``pristine``
+    or one of its attributes (the env given to ``initialize``, its backend...), ``env``'s."""
+    memo: dict[int, Any] = {id(pristine): env}
+    mine = vars(env)
+    for name, value in vars(pristine).items():
+        copied = mine.get(name)
+        # Immutable values are shared, or equal in both (an int is not the env's own object).
+        if copied is None or copied is value or value is part or isinstance(value, _IMMUTABLE):
+            continue
+        memo[id(value)] = copied
+    return copy.deepcopy(part, memo)
+
+
+_IMMUTABLE = (int, float, complex, str, bytes, bool, tuple, frozenset, type, type(None))
 
 
 # The packages of grid2op's (and LightSim's) own env parts, whose copies tests/test_parity.py
