@@ -38,6 +38,7 @@ from asyncrunner._engine import _envs
 from asyncrunner._engine._envs import release
 from asyncrunner.sinks import CallbackSink, Sink
 
+from .conftest import LightSimBackend, make_env
 from .helpers import (
     BOTH_LOOPS,
     alive,
@@ -339,41 +340,61 @@ async def test_a_broken_process_pool_executor_fails_what_is_left_saying_why(env:
     assert not any(isinstance(e, EpisodeFailed) and e.retrying for e in events)
 
 
-async def test_a_replayed_episode_keeps_its_first_result() -> None:
-    # A worker that dies just after sending an episode's end can see that episode replayed (its
-    # death was noticed before the end arrived): the replay's end is dropped, counted once.
-    from asyncrunner._engine._dispatch import Run, RunSettings
-    from asyncrunner._model import EpisodeFinished, EpisodeRequest
-    from asyncrunner._pools._fork import ForkPool
+class _DiesInItsFirstClose(LightSimBackend):  # type: ignore[misc]  # lightsim2grid is untyped
+    """Kills its worker in its first ``close`` there (a solver's teardown crashing): just after
+    the worker sent the episode's end. A backend class of the user's: each episode builds (and
+    closes) its env, as in grid2op's Runner."""
 
-    requests = [EpisodeRequest(i, i, None, None, None, None, None) for i in range(2)]
-    settings = RunSettings(
-        sinks=[],
-        on_error="continue",
-        retries=1,
-        episode_timeout=None,
-        detail=False,
-        recipes={},
-        agent=None,
-        central=None,
-        env_for=lambda mix: None,
-        spaces={},
-        space_files={},
-    )
-    run = Run(ForkPool(anyio.CapacityLimiter(1)), requests, settings)  # collects, never calls
-    emitted: list[Any] = []
+    parent: ClassVar[int] = 0
+    mark: ClassVar[str] = ""
 
-    async def emit(event: Any) -> None:
-        emitted.append(event)
+    def close(self) -> None:
+        if os.getpid() != self.parent and not os.path.exists(self.mark):
+            open(self.mark, "w").close()
+            os.kill(os.getpid(), signal.SIGKILL)
+        super().close()
 
-    def finished(attempt: int, reward: float) -> EpisodeFinished:
-        return EpisodeFinished(run.run_id, 0, attempt, "p", "0000", reward, 10, 10, 0, 0, 0, {})
 
-    await run._collect(finished(1, 1.0), emit)
-    await run._collect(finished(2, 2.0), emit)
-    assert emitted == [finished(1, 1.0)]
-    assert run.results[0].cum_reward == 1.0 and run._remaining == 1
-    assert run._terminal[(0, 2)].is_set()  # the replay's dispatcher is not left waiting
+class _OneBatchAStep(DoNothingAgent):  # type: ignore[misc]  # grid2op is untyped
+    def act(self, observation: Any, reward: float, done: bool = False) -> Any:
+        time.sleep(0.11)  # longer than a batch's age (0.1 s): a StepBatch per step
+        return super().act(observation, reward, done)
+
+
+async def test_a_worker_dying_just_after_an_episodes_end_does_not_replay_it(
+    tmp_path: Any,
+) -> None:
+    # The collector is behind (a sink slow at the first event, its buffer full) when the worker
+    # dies after sending the episode's end: the end was in the inbox ahead of the dispatcher's
+    # failure. The episode was played again, and run() waited for ever on the replay's end.
+    _DiesInItsFirstClose.parent = os.getpid()
+    _DiesInItsFirstClose.mark = str(tmp_path / "died")
+    seen: list[Any] = []
+
+    def until_the_worker_died() -> None:
+        while not os.path.exists(_DiesInItsFirstClose.mark):
+            time.sleep(0.05)
+        time.sleep(0.5)  # the dispatcher learns of the death meanwhile
+
+    async def slow_at_first(event: Any) -> None:
+        seen.append(event)
+        if len(seen) == 1:
+            await anyio.to_thread.run_sync(until_the_worker_died)
+
+    env = make_env(backend=_DiesInItsFirstClose())
+    try:
+        async with AsyncRunner(env, agent=_OneBatchAStep, workers=1) as runner:
+            with anyio.fail_after(60):
+                results = await runner.run(1, max_iter=40, sinks=[CallbackSink(slow_at_first)])
+    finally:
+        env.close()
+    assert await anyio.Path(_DiesInItsFirstClose.mark).exists()  # it died after the episode
+    assert [(r.nb_time_step, r.error) for r in results] == [(40, None)]
+    ends = [e for e in seen if isinstance(e, EpisodeStarted | EpisodeFinished | EpisodeFailed)]
+    assert [(type(e).__name__, e.attempt) for e in ends] == [
+        ("EpisodeStarted", 1),
+        ("EpisodeFinished", 1),
+    ]
 
 
 async def test_worker_dying_every_time_is_reported_after_retries(env: Any) -> None:

@@ -304,14 +304,6 @@ class Run:
         if key in self._closed:
             self._made.pop(key, None)
             return  # late frames of an attempt already ended (its worker died)
-        if isinstance(event, EpisodeFinished | EpisodeFailed) and event.index in self.results:
-            # The end of another attempt of an episode that has its result: one replayed because
-            # its worker died just after sending the first end, seen before that end arrived.
-            # The first result stands, told to the sinks once.
-            self._made.pop(key, None)
-            self._closed.add(key)
-            self._ended(key)
-            return
         if isinstance(event, EpisodeStarted | StepBatch):
             _read_only(event)  # every sink gets this one object: none may change it for others
         if isinstance(event, EpisodeStarted):
@@ -465,16 +457,24 @@ class Run:
                 error_type = exc.kind if isinstance(exc, WorkerDied) else type(exc).__name__
                 detail = str(exc) or repr(exc)
                 message = (_died if died else _as_is)(detail)
-                again = []
+                ended = []
                 for request, key in zip(group, keys, strict=True):
                     if key in self._closed:
                         continue
                     retrying = died and key[1] <= self.retries
                     await self._fail(channel, request, key[1], error_type, message, retrying)
                     if retrying:
+                        ended.append((request, key))
+                # A worker that died just after sending an attempt's end (its env's close, a
+                # backend's teardown) left that end in the inbox ahead of the failure made here:
+                # whichever the collector takes first ends the attempt, and only a failure is
+                # played again (an episode is never played twice, nor a replay left unended).
+                group = []
+                for request, key in ended:
+                    await self._terminal[key].wait()
+                    if request.index not in self.results:
                         attempts[request.index] += 1
-                        again.append(request)
-                group = again
+                        group.append(request)
                 continue
             for terminal in terminals:
                 if not terminal.is_set():  # its end usually came before the reply
