@@ -286,6 +286,16 @@ async def test_bad_arguments_fail_before_any_episode(
     assert not (tmp_path / "cache").exists()
 
 
+def test_each_agent_gets_a_folder_of_its_own() -> None:
+    from asyncrunner._score._grid2op import _unique
+
+    # Two agents had one label (and one folder, their episodes mixed) when a suffix made for a
+    # repeated class name was another agent's name, or an agent was named as a reference.
+    assert _unique(["A", "A", "A_2"], set()) == ["A", "A_3", "A_2"]
+    assert _unique(["A_2", "A", "A"], set()) == ["A_2", "A", "A_3"]
+    assert _unique(["l2rpn_dn", "B", "B"], {"l2rpn_dn"}) == ["l2rpn_dn_2", "B", "B_2"]
+
+
 def test_a_central_agent_is_labelled_by_the_agent_it_holds(env: Any) -> None:
     from asyncrunner import CentralAgent
     from asyncrunner._score._grid2op import agent_label

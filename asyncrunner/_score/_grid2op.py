@@ -102,7 +102,7 @@ class ScorePlan:
             competition, env, nb_scenario=nb_scenario, max_step=max_step,
             env_seeds=env_seeds, agent_seeds=agent_seeds,
         )  # fmt: skip
-        labels = _unique([agent_label(a) for a in agents])
+        labels = _unique([agent_label(a) for a in agents], taken={ref.name for ref in refs})
         cache_root = check_path_save(
             cache_dir if cache_dir is not None else default_cache_dir(),
             "cache_dir",
@@ -144,13 +144,21 @@ class ScorePlan:
             self.tmp.cleanup()
 
 
-def _unique(labels: list[str]) -> list[str]:
-    seen: dict[str, int] = {}
+def _unique(labels: list[str], taken: set[str]) -> list[str]:
+    """``labels`` made unique (each is a folder of the score's): a label met again, or one of
+    ``taken`` (the references' folders), gets the first suffix ``_2``, ``_3``... that is no
+    other label (agents ``A``, ``A``, ``A_2``: ``A``, ``A_3``, ``A_2``)."""
+    first = {label: i for i, label in reversed(list(enumerate(labels)))}
+    used = taken | set(labels)
     out = []
-    for label in labels:
-        n = seen.get(label, 0)
-        seen[label] = n + 1
-        out.append(label if n == 0 else f"{label}_{n + 1}")
+    for i, label in enumerate(labels):
+        if first[label] != i or label in taken:
+            n = 2
+            while f"{label}_{n}" in used:
+                n += 1
+            label = f"{label}_{n}"
+            used.add(label)
+        out.append(label)
     return out
 
 
