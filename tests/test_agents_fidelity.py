@@ -219,6 +219,49 @@ def test_local_agent_class_plays_on_spawned_workers(
     assert async_run(env, local_sampling_agent(), spawn_pool) == by_class
 
 
+_PLUGIN_SCRIPT = """
+import asyncio, multiprocessing, sys, types
+from concurrent.futures import ProcessPoolExecutor
+import cloudpickle
+from asyncrunner import AsyncRunner
+from tests.conftest import make_env
+
+PLUGIN = (
+    "from grid2op.Agent import BaseAgent\\n"
+    "class PluginAgent(BaseAgent):\\n"
+    "    def act(self, observation, reward, done=False):\\n"
+    "        return self.action_space({})\\n"
+)
+
+async def main():
+    module = types.ModuleType("plugins")  # a plugin loader's, a config system's
+    exec(PLUGIN, module.__dict__)
+    sys.modules["plugins"] = module
+    cloudpickle.register_pickle_by_value(module)
+    env = make_env()
+    spawn = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(2, mp_context=spawn) as pool:
+        async with AsyncRunner(env, agent=module.PluginAgent, executor=pool) as runner:
+            results = await runner.run(2, max_iter=5)
+    print([(r.nb_time_step, r.error) for r in results])
+
+if __name__ == "__main__":
+    asyncio.run(main())
+"""
+
+
+@pytest.mark.slow  # spawned interpreters import grid2op (seconds each)
+def test_a_module_registered_by_value_goes_by_value_to_spawned_workers(tmp_path: Path) -> None:
+    # A module made at run time: spawned workers cannot import it, and
+    # cloudpickle.register_pickle_by_value(module), cloudpickle's way to send it, was not
+    # honoured for a script's spawn pool ("No module named 'plugins'" at every episode).
+    script = tmp_path / "evaluate.py"
+    script.write_text(_PLUGIN_SCRIPT)
+    done = run_script(script)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[(5, None), (5, None)]"
+
+
 @pytest.mark.slow  # spawned interpreters import grid2op (seconds each)
 def test_local_agent_instance_plays_on_spawned_workers(
     env: Any, spawn_pool: ProcessPoolExecutor, by_instance: list[Any]

@@ -119,14 +119,30 @@ def _grid_reduce(obj: Any) -> Any:
 
 class _GridPickler(pickle.Pickler):
     """pickle, with grid2op's env classes by value; ``named``: the classes and functions
-    pickled (by name, unless by value)."""
+    pickled (by name, unless by value). A class or function of a module the caller registered
+    with ``cloudpickle.register_pickle_by_value`` (one the workers cannot import: made at run
+    time, not on their path) raises ``_ByValue``: cloudpickle then sends it by value."""
 
     named: list[Any]
 
     def reducer_override(self, obj: Any) -> Any:
         if isinstance(obj, (type, types.FunctionType)):
             self.named.append(obj)
+            if _registered_by_value(obj):
+                raise _ByValue(obj)
         return _grid_reduce(obj) or NotImplemented
+
+
+class _ByValue(Exception):
+    """What ``_GridPickler`` leaves to cloudpickle."""
+
+
+def _registered_by_value(obj: Any) -> bool:
+    """Whether ``obj``'s module (or a package of it) is registered with
+    ``cloudpickle.register_pickle_by_value``."""
+    registered = cloudpickle.list_registry_pickle_by_value()
+    parts = str(getattr(obj, "__module__", "")).split(".")
+    return any(".".join(parts[:n]) in registered for n in range(1, len(parts) + 1))
 
 
 class _ByValuePickler(cloudpickle.Pickler):  # type: ignore[misc]  # cloudpickle is untyped
