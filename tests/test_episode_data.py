@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 import threading
 import warnings
 from collections.abc import Callable, Mapping
@@ -14,9 +15,10 @@ from typing import Any
 
 import anyio
 import anyio.from_thread
+import grid2op
 import numpy as np
 import pytest
-from grid2op.Agent import BaseAgent, RandomAgent
+from grid2op.Agent import BaseAgent, DoNothingAgent, RandomAgent
 from grid2op.Episode import CompactEpisodeData, EpisodeData
 from grid2op.Reward import FlatReward, L2RPNReward
 from grid2op.Runner import Runner
@@ -34,9 +36,11 @@ from asyncrunner._model import (
 )
 from asyncrunner.sinks import CallbackSink, CompactEpisodeWriter, EpisodeDataWriter
 from asyncrunner.sinks._buffer import EpisodeBuffer
+from asyncrunner.sinks._compact import COMPACT_FOLDER
 from asyncrunner.sinks._episode_data import episode_data_files
 from asyncrunner.sinks._writer import TMP_PREFIX, stage_files
 
+from .conftest import make_env
 from .helpers import BOTH_LOOPS
 
 pytestmark = pytest.mark.anyio
@@ -528,6 +532,38 @@ class _CancelWhileWriting(EpisodeDataWriter):
             anyio.from_thread.run_sync(self.scope.cancel)
         self.written.append(started.name)
         return super()._place(started, folder)
+
+
+async def test_a_chronic_named_up_to_the_file_systems_limit_is_saved_every_time(
+    tmp_path: Path,
+) -> None:
+    # "<name>_1" for a chronic named in 254 bytes was too long a file name: the second run into
+    # a folder lost its episode (SinkError, its files removed); grid2op's Runner saves it.
+    folder = tmp_path / "case14"
+    shutil.copytree(Path(grid2op.__file__).parent / "data" / "l2rpn_case14_sandbox", folder)
+    name = "场景" * 42 + "_x"  # 254 bytes in UTF-8
+    (folder / "chronics" / "0000").rename(folder / "chronics" / name)
+    env = make_env(str(folder))
+    compact = CompactEpisodeWriter(tmp_path / "compact")
+    try:
+        async with AsyncRunner(env, agent=DoNothingAgent, workers=1) as runner:
+            for _ in range(2):
+                results = await runner.run(
+                    1, max_iter=3, episode_id=[name], path_save=tmp_path / "saved", sinks=[compact]
+                )
+                assert results[0].error is None and results[0].path is not None
+    finally:
+        env.close()
+    cut = name.encode()[:253].decode("utf-8", "ignore") + "_1"  # "_x" loses its "x"
+    saved = sorted(p.name for p in (tmp_path / "saved").iterdir() if p.is_dir())
+    assert saved == sorted([name, cut])
+    for episode in saved:
+        assert EpisodeData.from_disk(str(tmp_path / "saved"), episode).meta["chronics_path"]
+    # The compact files are named "<name>_metadata.json" too: 14 bytes less for the name.
+    room = 255 - len(b"_metadata.json")
+    cuts = [name.encode()[: room - len(s)].decode("utf-8", "ignore") + s for s in ("", "_1")]
+    files = sorted(p.name for p in (tmp_path / "compact" / COMPACT_FOLDER).glob("*.npz"))
+    assert files == sorted(f"{n}.npz" for n in cuts)
 
 
 @BOTH_LOOPS

@@ -62,7 +62,7 @@ class CompactEpisodeWriter(Writer):
         return target
 
     def _move_into_place(self, tmp_meta: str, tmp_npz: str, name: str) -> str:
-        names = self._names(name)  # endless
+        names = self._names(name, ending="_metadata.json")  # endless
         while True:
             candidate = next(names)
             meta_path = os.path.join(self.folder, f"{candidate}_metadata.json")

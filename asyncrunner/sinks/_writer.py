@@ -245,19 +245,29 @@ class Writer(Sink):
             with _LIVE_LOCK:
                 _LIVE.discard(p)
 
-    def _names(self, name: str) -> Iterator[str]:
+    def _names(self, name: str, ending: str = "") -> Iterator[str]:
         """``name``, ``name_1``, ``name_2``, ...: the names not reserved yet by this writer, each
         reserved as it is given (the caller skips one taken on the disk and asks for the next).
 
         Each chronic's search starts after the last name given for it: the k-th episode of a
         chronic tries one or two names, not k (300 episodes of two chronics probed about 75 names
-        each).
+        each). A name the file system would find too long with its suffix and the ``ending`` of
+        the files named after it (a chronic's folder name is up to 255 bytes) is cut short
+        before the suffix: the episode is saved (its chronic is in its meta), where grid2op's
+        Runner would fail.
         """
+        try:
+            limit = os.pathconf(self._work, "PC_NAME_MAX")
+        except (OSError, ValueError, AttributeError):  # (no pathconf on Windows)
+            limit = 255
+        limit -= len(ending.encode())
         while True:
             with self._lock:
                 k = self._next_k.get(name, 0)
                 self._next_k[name] = k + 1
-                candidate = name if k == 0 else f"{name}_{k}"
+                suffix = "" if k == 0 else f"_{k}"
+                room = limit - len(suffix)
+                candidate = name.encode()[:room].decode("utf-8", "ignore") + suffix
                 if candidate in self._reserved:  # another chronic's name (a chronic "000_1")
                     continue
                 self._reserved.add(candidate)
