@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import anyio
+import numpy as np
 import pytest
 from grid2op.Action import PowerlineSetAction
 from grid2op.Agent import BaseAgent, DoNothingAgent, RandomAgent
@@ -492,12 +493,16 @@ def test_an_agent_holding_an_env_steps_it_in_the_workers(env: Any) -> None:
 
 
 class EveryFifthStep(BaseOpponent):  # type: ignore[misc]  # grid2op is untyped
-    """Attacks a line every fifth step; sets its attributes in ``init``, as grid2op documents."""
+    """Attacks a line every fifth step; sets its attributes in ``init``, as grid2op documents:
+    its lines, the one of highest thermal limit first (as the env shows them to ``init``: in
+    grid2op's build, the backend's, the same for every line, not yet the env's)."""
 
     lines: tuple[int, ...] = ()  # a class default, as many opponents have
 
     def init(self, partial_env: Any, lines_attacked: Any = (), **kwargs: Any) -> None:
-        self.lines = tuple(partial_env.name_line.tolist().index(n) for n in lines_attacked)
+        lines = [partial_env.name_line.tolist().index(n) for n in lines_attacked]
+        limits = partial_env.get_thermal_limit()
+        self.lines = tuple(sorted(lines, key=lambda line: -limits[line]))
 
     def reset(self, initial_budget: Any) -> None:
         self.n = 0
@@ -537,13 +542,17 @@ class StepCountReward(BaseReward):  # type: ignore[misc]  # grid2op is untyped
     def initialize(self, env: Any) -> None:
         self.env = env
         self.calls = 0
+        # In grid2op's build, the backend's limits, not yet the env's (see EveryFifthStep).
+        self.limit = float(env.get_thermal_limit().max())
         self.reward_min, self.reward_max = 0.0, 1000.0
 
     def __call__(self, action: Any, env: Any, *flags: Any) -> float:
         self.calls += 1
-        seen = self.env.nb_time_step + env.backend.get_line_status().sum()
+        status = env.backend.get_line_status()
+        # The lines in service, and which are not (the line an opponent attacked).
+        seen = self.env.nb_time_step + status.sum() + 0.001 * np.flatnonzero(~status).sum()
         volts = env.backend.generators_info()[2].sum()
-        return self.scale * float(seen + 0.01 * self.calls + 1e-4 * volts)
+        return self.scale * float(seen + 0.01 * self.calls + 1e-4 * volts + 1e-5 * self.limit)
 
 
 def test_a_users_opponent_voltage_controller_and_rewards_play_as_in_grid2op() -> None:
@@ -560,13 +569,13 @@ def test_a_users_opponent_voltage_controller_and_rewards_play_as_in_grid2op() ->
         opponent_budget_per_ts=1.0,
         opponent_attack_duration=2,
         opponent_attack_cooldown=3,
-        kwargs_opponent={"lines_attacked": ["1_3_3"]},
+        kwargs_opponent={"lines_attacked": ["1_4_4", "1_3_3"]},  # limits 175 A and 636 A
     )
     try:
-        expected = grid2op_run({**env.get_params_for_runner(), "agentClass": DoNothingAgent})
-        # Steps 1 + ... + 20, every line in service, the calls 2 + ... + 21 (one at the build).
-        untouched = 2 * (210.0 + 20 * env.n_line + 0.01 * 230)
-        assert all(420.0 < r[1] < untouched for r in expected)  # the opponent attacked
+        params = {**env.get_params_for_runner(), "agentClass": DoNothingAgent}
+        expected = grid2op_run(params)
+        untouched = grid2op_run({**params, "opponent_init_budget": 0, "opponent_budget_per_ts": 0})
+        assert all(r[1] < u[1] for r, u in zip(expected, untouched, strict=True))  # it attacked
         assert async_run(env, DoNothingAgent) == expected
     finally:
         env.close()
@@ -578,16 +587,20 @@ class FollowsItsForecasts(BaseAgent):  # type: ignore[misc]  # grid2op is untype
 
     def act(self, observation: Any, reward: float, done: bool = False) -> Any:
         _, simulated, _, info = observation.simulate(self.action_space({}))
-        disconnect = (int(simulated) + int(info["rewards"]["steps"])) % 3 == 0
+        disconnect = (int(10 * simulated) + int(10 * info["rewards"]["steps"])) % 3 == 0
         return self.action_space({"set_line_status": [(3, -1 if disconnect else 1)]})
 
 
 def test_a_users_rewards_in_the_forecast_env_play_as_in_grid2op() -> None:
     """``simulate`` computes rewards in the forecast env, where grid2op's copy points a reward's
     env at the forecast env copied (never played)."""
-    env = make_env(
-        reward_class=StepCountReward(scale=1.5), other_rewards={"steps": StepCountReward}
-    )
+    from grid2op.Reward import CombinedReward
+
+    # grid2op's CombinedReward of the user's: it went through grid2op's copy (its reward read
+    # the pristine env, never played).
+    combined = CombinedReward()
+    combined.addReward("steps", StepCountReward(scale=1.5), 1.0)
+    env = make_env(reward_class=combined, other_rewards={"steps": StepCountReward})
     try:
         expected = grid2op_run({**env.get_params_for_runner(), "agentClass": FollowsItsForecasts})
         assert async_run(env, FollowsItsForecasts) == expected

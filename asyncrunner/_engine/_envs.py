@@ -146,71 +146,77 @@ def fresh_copy(pristine: Any) -> Any:
 
 def _rebuild_user_parts(pristine: Any, env: Any) -> None:
     """Rewards, opponent and voltage controller of classes not grid2op's own, in ``env`` (a
-    copy of ``pristine``) as grid2op makes them for a new env.
+    copy of ``pristine``) as grid2op's build made them for a new env.
 
     grid2op's copy deep-copies the rewards (one that keeps the env given to ``initialize``
     would read the pristine env, never played) and rebuilds the opponent and the voltage
     controller with ``__new__`` and ``_custom_deepcopy_for_copy`` (what ``__init__`` or the
     opponent's ``init`` set is lost, unless the class copies it). grid2op's own classes copy
-    correctly (tests/test_parity.py). A user's rewards and voltage controller are ``pristine``'s
-    as its build left them (``_carried``: a new env's have played the build's step); its
-    opponent is made afresh (grid2op resets an opponent at each reset), and so are the forecast
-    env's rewards (``obs.simulate``: no step at its build), as ``ObservationSpace`` makes them.
+    correctly (tests/test_parity.py). A user's are ``pristine``'s, deep-copied as its build left
+    them (``_memo``): a new env's have seen the build's step (a reward or a controller that
+    counts its calls has counted it), and what the env showed them as it was built (an
+    opponent's ``init`` and a forecast reward's ``initialize`` see the backend's thermal limits,
+    not yet the env's). So are the forecast env's rewards (``obs.simulate``), and a user's reward
+    in grid2op's ``CombinedReward``.
     """
-    from grid2op.Reward import RewardHelper
-
-    if not _grid2ops(pristine._reward_helper.template_reward):
-        env._reward_helper = _carried(pristine._reward_helper, pristine, env)
+    forecasts = getattr(env._observation_space, "obs_env", None)
+    originals = getattr(pristine._observation_space, "obs_env", None)
+    memo = _memo([(pristine, env), (originals, forecasts)])
+    if not _grid2ops_reward(pristine._reward_helper):
+        env._reward_helper = copy.deepcopy(pristine._reward_helper, memo)
     for name, helper in pristine.other_rewards.items():
-        if not _grid2ops(helper.template_reward):
-            env.other_rewards[name] = _carried(helper, pristine, env)
-    space = env._observation_space
-    forecasts = getattr(space, "obs_env", None)
-    if forecasts is not None:
-        if not _grid2ops(space.reward_helper.template_reward):
-            # One helper, the space's and its forecast env's (``_reward_func``: as given to make)
-            space.reward_helper = RewardHelper(space._reward_func, logger=space.logger)
-            forecasts._reward_helper = space.reward_helper
-            space.reward_helper.initialize(forecasts)
-        for name, helper in list(forecasts.other_rewards.items()):
-            if not _grid2ops(helper.template_reward):
-                forecasts.other_rewards[name] = RewardHelper(helper.rewardClass, forecasts.logger)
-                forecasts.other_rewards[name].initialize(forecasts)
-                forecasts.other_rewards[name].reset(forecasts)
+        if not _grid2ops_reward(helper):
+            env.other_rewards[name] = copy.deepcopy(helper, memo)
+    if forecasts is not None and originals is not None:
+        space, pristine_space = env._observation_space, pristine._observation_space
+        if not _grid2ops_reward(pristine_space.reward_helper):
+            # One helper, the space's and its forecast env's: one copy (the memo's).
+            space.reward_helper = copy.deepcopy(pristine_space.reward_helper, memo)
+            forecasts._reward_helper = copy.deepcopy(originals._reward_helper, memo)
+        for name, helper in originals.other_rewards.items():
+            if not _grid2ops_reward(helper):
+                forecasts.other_rewards[name] = copy.deepcopy(helper, memo)
     if pristine._voltage_controler is not None and not _grid2ops(pristine._voltage_controler):
-        env._voltage_controler = _carried(pristine._voltage_controler, pristine, env)
-    if not (_grid2ops(env._opponent) and _grid2ops(env._oppSpace)):
-        env._opponent = env._opponent_class(env._opponent_action_space)
-        env._oppSpace = env._opponent_space_type(
-            compute_budget=env._compute_opp_budget,
-            init_budget=env._opponent_init_budget,
-            attack_duration=env._opponent_attack_duration,
-            attack_cooldown=env._opponent_attack_cooldown,
-            budget_per_timestep=env._opponent_budget_per_ts,
-            opponent=env._opponent,
-            _local_dir_cls=env._local_dir_cls,
-        )
-        env._oppSpace.init_opponent(partial_env=env, **env._kwargs_opponent)
-        env._oppSpace.reset()
+        env._voltage_controler = copy.deepcopy(pristine._voltage_controler, memo)
+    if not (_grid2ops(pristine._opponent) and _grid2ops(pristine._oppSpace)):
+        env._oppSpace = copy.deepcopy(pristine._oppSpace, memo)
+        env._opponent = env._oppSpace.opponent
 
 
-def _carried(part: Any, pristine: Any, env: Any) -> Any:
-    """A deep copy of ``part``, one of ``pristine``'s, for ``env``, a copy of ``pristine``: what
-    it holds as ``pristine``'s build left it (grid2op's build plays one step: a reward or a
-    voltage controller that counts its calls has counted one), and where it holds ``pristine``
-    or one of its attributes (the env given to ``initialize``, its backend...), ``env``'s."""
-    memo: dict[int, Any] = {id(pristine): env}
-    mine = vars(env)
-    for name, value in vars(pristine).items():
-        copied = mine.get(name)
-        # Immutable values are shared, or equal in both (an int is not the env's own object).
-        if copied is None or copied is value or value is part or isinstance(value, _IMMUTABLE):
+def _memo(pairs: list[tuple[Any, Any]]) -> dict[int, Any]:
+    """A ``copy.deepcopy`` memo for the parts ``_rebuild_user_parts`` copies: each of ``pairs``
+    is an env and its copy (the env's, its forecast env's), and each attribute of the env its
+    copy's, so that a part holding the env given to ``initialize``, its backend, its spaces...
+    holds the copy's (and what the copy shares with the env stays shared). Not the parts copied
+    (``_PARTS``): the memo would give the copy's own, grid2op's copy of them."""
+    memo: dict[int, Any] = {}
+    for original, copied in pairs:
+        if original is None or copied is None:
             continue
-        memo[id(value)] = copied
-    return copy.deepcopy(part, memo)
+        memo[id(original)] = copied
+        theirs = vars(copied)
+        for name, value in vars(original).items():
+            # Immutable values are shared, or equal in both (an int is not the env's object).
+            mine = theirs.get(name)
+            if name in _PARTS or mine is None or isinstance(value, _IMMUTABLE):
+                continue
+            memo[id(value)] = mine
+    return memo
 
 
+_PARTS = frozenset(
+    {"_reward_helper", "other_rewards", "_voltage_controler", "_oppSpace", "_opponent"}
+)
 _IMMUTABLE = (int, float, complex, str, bytes, bool, tuple, frozenset, type, type(None))
+
+
+def _grid2ops_reward(helper: Any) -> bool:
+    """Whether a ``RewardHelper``'s reward, and each reward it combines (grid2op's
+    ``CombinedReward``), are grid2op's own."""
+    reward = helper.template_reward
+    combined = getattr(reward, "rewards", None)
+    inner = list(combined.values()) if isinstance(combined, dict) else []
+    return all(_grid2ops(part) for part in [reward, *inner])
 
 
 # The packages of grid2op's (and LightSim's) own env parts, whose copies tests/test_parity.py
