@@ -188,6 +188,25 @@ def test_grid2ops_class_with_compat_patched_in_gives_the_same_score(
     assert played == [nb] * 4
 
 
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_an_env_of_a_long_folder_name_is_scored(tmp_path: Path) -> None:
+    # The cache entry was named after the env (its folder's name and backend's) in full: a
+    # folder name of 220 characters failed the score, once every episode had played.
+    folder = tmp_path / ("case14_" + "a_long_descriptive_name_" * 9)[:220]
+    shutil.copytree(Path(grid2op.__file__).parent / "data" / "l2rpn_case14_sandbox", folder)
+    env = make_env(str(folder))
+    try:
+        (result,) = await asyncrunner.score(
+            env, DoNothingAgent, competition="l2rpn_2020", nb_scenario=1, max_step=3,
+            workers=1, cache_dir=tmp_path / "cache",
+        )  # fmt: skip
+    finally:
+        env.close()
+    assert [s.steps_survived for s in result.scenarios] == [3]
+    entries = [entry.name for entry in (tmp_path / "cache").iterdir()]
+    assert entries and all(e.startswith(folder.name[:60]) and len(e) < 150 for e in entries)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])
 async def test_reference_statistics_are_reused_and_invalidated(tmp_path: Path) -> None:

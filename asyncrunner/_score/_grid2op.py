@@ -326,7 +326,10 @@ def _stats_for(
     }
     digest = hashlib.blake2b(json.dumps(key, sort_keys=True).encode(), digest_size=12)
     stats = Stats(env, ref.name)
-    folder = os.path.join(cache_root, f"{env.env_name}-{digest.hexdigest()}")
+    # The env's name, for people looking in the cache, cut short (the digest tells entries
+    # apart): an env folder's name of 215 characters made a name too long for the file system.
+    name = env.env_name.encode()[:100].decode("utf-8", "ignore")
+    folder = os.path.join(cache_root, f"{name}-{digest.hexdigest()}")
     stats.path_save_stats = os.path.join(folder, EpisodeStatistics.get_name_dir(ref.name))
     return stats
 
