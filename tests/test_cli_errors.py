@@ -327,6 +327,21 @@ def test_a_scheduler_address_where_no_dask_scheduler_answers_is_refused(
         )
 
 
+def test_a_save_folder_under_home_written_with_a_tilde_is_there(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The shell leaves "~" as it is after "--save=": the run saved in a folder named "~" here,
+    # and did not say where.
+    home, here = tmp_path / "home", tmp_path / "here"
+    here.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(here)
+    code, out, err, _ = _main(["run", *SMALL, "--save=~/runs"], capsys)
+    assert code == 0, err
+    assert (home / "runs" / "0000").is_dir() and not list(here.iterdir())
+    assert out.splitlines()[-1].endswith(f"; saved in {home / 'runs'}")
+
+
 def test_resume_needs_save(capsys: pytest.CaptureFixture[str]) -> None:
     _usage_error(["run", *SMALL, "--resume"], "--resume needs --save DIR", capsys)
 

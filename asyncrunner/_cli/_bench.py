@@ -34,6 +34,7 @@ import argparse
 import functools
 import importlib.metadata
 import json
+import os
 import platform
 import sys
 import traceback
@@ -184,6 +185,7 @@ def build_parser() -> Parser:
     parser.add_argument(
         "--plot",
         default=None,
+        type=os.path.expanduser,  # --plot=~/bench.png: the shell leaves "~" as it is
         metavar="FILE.png",
         help="also draw each configuration's steps/s against the limit (and the sweep)",
     )

@@ -128,6 +128,7 @@ def build_parser() -> tuple[Parser, Parser]:
     run.add_argument(
         "--save",
         default=None,
+        type=os.path.expanduser,  # --save=~/runs: the shell leaves "~" as it is
         metavar="DIR",
         help="save each episode in grid2op's EpisodeData format under DIR (default: save nothing)",
     )
@@ -214,9 +215,11 @@ def run_command(args: argparse.Namespace, parser: Parser, argv: list[str]) -> in
     rate = f", {steps / busy:.0f} steps/s after {startup:.1f} s of startup" if busy > 0 else ""
     earlier = f", {len(saved)} already saved in {args.save}" if args.resume else ""
     stopped = f", {cancelled} cancelled" if cancelled > 0 else ""
+    # Where, in full: a relative --save is the current folder's (and --save=~/x the home's).
+    where = f"; saved in {os.path.abspath(args.save)}" if args.save is not None else ""
     print(
         f"{played}/{requested} episodes played{earlier}, {len(failed)} failed{stopped}, "
-        f"{steps} steps in {elapsed:.1f} s{rate}"
+        f"{steps} steps in {elapsed:.1f} s{rate}{where}"
     )
     _print_failures(failed)
     if args.save is not None and (failed or cancelled > 0):

@@ -8,6 +8,7 @@ prints the same as JSON; ``--plot FILE.png`` draws score per scenario and surviv
 from __future__ import annotations
 
 import json
+import os
 import sys
 import warnings
 from collections.abc import Sequence
@@ -98,18 +99,24 @@ def _parser() -> Parser:
     parser.add_argument(
         "--save",
         default=None,
+        type=os.path.expanduser,  # --save=~/runs: the shell leaves "~" as it is
         metavar="DIR",
         help="save the episodes in DIR, one folder per agent and per reference played",
     )
     parser.add_argument("--resume", action="store_true", help="with --save: complete a score")
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
     parser.add_argument(
-        "--plot", default=None, metavar="FILE.png", help="draw each agent's scenario scores"
+        "--plot",
+        default=None,
+        type=os.path.expanduser,
+        metavar="FILE.png",
+        help="draw each agent's scenario scores",
     )
     add_env_options(parser)
     parser.add_argument(
         "--cache-dir",
         default=None,
+        type=os.path.expanduser,
         metavar="DIR",
         help="where the reference statistics are cached (default: ~/.cache/asyncrunner/scores)",
     )

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -61,6 +62,7 @@ def _parser() -> _Parser:
     parser.add_argument(
         "--plot",
         metavar="FILE.png",
+        type=os.path.expanduser,  # --plot=~/runs.png: the shell leaves "~" as it is
         default=None,
         help="also draw survival and cumulative reward over time (needs matplotlib)",
     )
