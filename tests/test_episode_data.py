@@ -534,6 +534,22 @@ class _CancelWhileWriting(EpisodeDataWriter):
         return super()._place(started, folder)
 
 
+def test_names_are_cut_short_only_past_the_file_systems_limit(tmp_path: Path) -> None:
+    from asyncrunner._plan._layout import suffixed
+
+    folder = str(tmp_path)
+    # A chronic's folder named in Latin-1 (an archive from another system): Python holds its
+    # bytes as surrogates, which strict UTF-8 refused (the episode was lost, found by review).
+    latin = os.fsdecode(b"sc\xe9nario")
+    assert suffixed(folder, latin, "_1") == latin + "_1"
+    name = "场景" * 42 + "_x"  # 254 bytes in UTF-8
+    assert suffixed(folder, name, "") == name
+    assert suffixed(folder, name, "_1") == name[:-1] + "_1"  # 255 bytes
+    # Cut at a character's boundary: 239 bytes leave room for 79 characters of 3 bytes.
+    assert suffixed(folder, name, "_1", "_metadata.json") == name[:79] + "_1"
+    assert suffixed(folder, os.fsdecode(b"\xe9" * 300), "_2") == os.fsdecode(b"\xe9" * 253) + "_2"
+
+
 async def test_a_chronic_named_up_to_the_file_systems_limit_is_saved_every_time(
     tmp_path: Path,
 ) -> None:

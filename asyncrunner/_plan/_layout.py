@@ -30,7 +30,7 @@ if sys.platform != "win32":
 
 from .._model import EpisodeRequest, EpisodeResult
 
-__all__ = ["damage", "reset_key", "resume_plan", "saved_episodes", "sync"]
+__all__ = ["damage", "reset_key", "resume_plan", "saved_episodes", "suffixed", "sync"]
 
 # The run-level files grid2op writes once at the top of ``path_save`` (keys of RunStarted.spaces).
 SPACE_FILES = (
@@ -291,6 +291,23 @@ def damage(folder: str, record: Mapping[str, Any]) -> str | None:
     return None
 
 
+def suffixed(folder: str, name: str, suffix: str, ending: str = "") -> str:
+    """``name + suffix``, a name in ``folder`` that leaves room for ``ending`` (of the files
+    named after it): ``name`` is cut short before ``suffix`` where the file system would find
+    it too long (a chronic's folder name may take its 255 bytes), at a character's boundary."""
+    try:
+        limit = os.pathconf(folder, "PC_NAME_MAX")
+    except (OSError, ValueError, AttributeError):  # (no pathconf on Windows)
+        limit = 255
+    raw = os.fsencode(name)  # as the file system has it (a name not in UTF-8 too)
+    cut = limit - len(os.fsencode(suffix + ending))
+    if len(raw) > cut:
+        while cut > 0 and raw[cut] & 0xC0 == 0x80:  # not within a UTF-8 character
+            cut -= 1
+        name = os.fsdecode(raw[:cut])
+    return name + suffix
+
+
 def _move_aside(path: str, folder: str) -> str:
     """Move a damaged episode folder into ``path/.asyncrunner-broken/``; returns where."""
     broken = os.path.join(path, BROKEN_FOLDER)
@@ -298,7 +315,7 @@ def _move_aside(path: str, folder: str) -> str:
     name = os.path.basename(folder)
     k = 0
     while True:
-        target = os.path.join(broken, name if k == 0 else f"{name}_{k}")
+        target = os.path.join(broken, suffixed(broken, name, "" if k == 0 else f"_{k}"))
         k += 1
         if os.path.lexists(target):
             continue

@@ -30,6 +30,7 @@ from .._model import (
     Staged,
 )
 from .._plan._layout import (
+    suffixed,
     sync,
 )
 from ._base import Sink
@@ -252,22 +253,14 @@ class Writer(Sink):
         Each chronic's search starts after the last name given for it: the k-th episode of a
         chronic tries one or two names, not k (300 episodes of two chronics probed about 75 names
         each). A name the file system would find too long with its suffix and the ``ending`` of
-        the files named after it (a chronic's folder name is up to 255 bytes) is cut short
-        before the suffix: the episode is saved (its chronic is in its meta), where grid2op's
-        Runner would fail.
+        the files named after it is cut short before the suffix (``suffixed``): its chronic is in
+        its meta.
         """
-        try:
-            limit = os.pathconf(self._work, "PC_NAME_MAX")
-        except (OSError, ValueError, AttributeError):  # (no pathconf on Windows)
-            limit = 255
-        limit -= len(ending.encode())
         while True:
             with self._lock:
                 k = self._next_k.get(name, 0)
                 self._next_k[name] = k + 1
-                suffix = "" if k == 0 else f"_{k}"
-                room = limit - len(suffix)
-                candidate = name.encode()[:room].decode("utf-8", "ignore") + suffix
+                candidate = suffixed(self._work, name, "" if k == 0 else f"_{k}", ending)
                 if candidate in self._reserved:  # another chronic's name (a chronic "000_1")
                     continue
                 self._reserved.add(candidate)
