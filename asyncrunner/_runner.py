@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextvars
+import functools
 import inspect
 import itertools
 import math
@@ -25,7 +26,7 @@ from anyio.streams.memory import MemoryObjectSendStream
 
 from ._engine._central import CentralAgent
 from ._engine._dispatch import Run, RunSettings
-from ._engine._envs import copies_faithfully, dropped, hold, release, warm
+from ._engine._envs import copies_faithfully, dropped, fresh_copy, hold, release, warm
 from ._engine._parsed import ParsedAhead
 from ._engine._pool import WorkerPool, on_trio
 from ._engine._recipe import agent_name, agent_recipe, class_attributes, env_key, recipes
@@ -376,7 +377,9 @@ class AsyncRunner(AsyncResource):
                 return  # another opening of this runner holds it, or is holding it
             done = self._holding = threading.Event()
             self._closed_hold = False
-        make = self._first_env.copy if self._copied else None  # under its own key (__init__)
+        # Under its own key (__init__). A copy whose user parts are the caller's env's as they
+        # are (``fresh_copy``): grid2op's copy drops what their __init__ or init set.
+        make = functools.partial(fresh_copy, self._first_env) if self._copied else None
         key = self._recipe_key
 
         def holding() -> None:

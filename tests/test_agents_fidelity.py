@@ -13,6 +13,7 @@ import json
 import logging
 import multiprocessing
 import os
+import threading
 import warnings
 import zipapp
 from collections.abc import Iterator
@@ -103,9 +104,11 @@ def by_instance(env: Any) -> list[Any]:
     return grid2op_run(params)
 
 
-def async_run(env: Any, agent: Any, executor: Any = None) -> list[Any]:
+def async_run(env: Any, agent: Any, executor: Any = None, copy_env: bool = False) -> list[Any]:
     async def main() -> list[Any]:
-        async with AsyncRunner(env, agent=agent, workers=2, executor=executor) as runner:
+        async with AsyncRunner(
+            env, agent=agent, workers=2, executor=executor, copy_env=copy_env
+        ) as runner:
             results = await runner.run(3, **seeds(3))
         return [r.as_tuple() for r in results]
 
@@ -555,9 +558,13 @@ class StepCountReward(BaseReward):  # type: ignore[misc]  # grid2op is untyped
         return self.scale * float(seen + 0.01 * self.calls + 1e-4 * volts + 1e-5 * self.limit)
 
 
-def test_a_users_opponent_voltage_controller_and_rewards_play_as_in_grid2op() -> None:
+@pytest.mark.parametrize("copy_env", [False, True])
+def test_a_users_opponent_voltage_controller_and_rewards_play_as_in_grid2op(
+    copy_env: bool,
+) -> None:
     """Episodes play copies of an env: grid2op's copy loses what such classes set in
-    ``__init__`` / ``init``, and points a reward's env at the env copied (never played)."""
+    ``__init__`` / ``init``, and points a reward's env at the env copied (never played). With
+    ``copy_env``, the copies of the caller's env (grid2op's copy of it: found by a hunt)."""
     env = make_env(
         reward_class=StepCountReward(scale=2.0),
         other_rewards={"steps": StepCountReward},
@@ -576,7 +583,58 @@ def test_a_users_opponent_voltage_controller_and_rewards_play_as_in_grid2op() ->
         expected = grid2op_run(params)
         untouched = grid2op_run({**params, "opponent_init_budget": 0, "opponent_budget_per_ts": 0})
         assert all(r[1] < u[1] for r, u in zip(expected, untouched, strict=True))  # it attacked
+        assert async_run(env, DoNothingAgent, copy_env=copy_env) == expected
+    finally:
+        env.close()
+
+
+class LockedVoltages(ControlVoltageFromFile):  # type: ignore[misc]  # grid2op is untyped
+    """Holds a lock, which cannot be copied: grid2op's Runner never copies it."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.lock = threading.Lock()
+
+
+def test_a_users_part_that_cannot_be_copied_plays_on_a_new_build() -> None:
+    # Copied since the user's parts are copies of the pristine env's: every episode failed
+    # ("cannot pickle '_thread.lock' object", found by review). Each gets a new build instead.
+    env = make_env(voltagecontroler_class=LockedVoltages)
+    try:
+        expected = grid2op_run({**env.get_params_for_runner(), "agentClass": DoNothingAgent})
         assert async_run(env, DoNothingAgent) == expected
+    finally:
+        env.close()
+
+
+class ChronicIndexReward(BaseReward):  # type: ignore[misc]  # grid2op is untyped
+    """Keeps a part of a part of the env (its chronics' data) and reads it at every step."""
+
+    def initialize(self, env: Any) -> None:
+        self.data = getattr(env.chronics_handler, "real_data", None)  # (none in a forecast env)
+        self.reward_min, self.reward_max = 0.0, 1000.0
+
+    def __call__(self, action: Any, env: Any, *flags: Any) -> float:
+        return 0.0 if self.data is None else float(self.data.data.current_index)
+
+
+class DrawsFromItsHelper(BaseAgent):  # type: ignore[misc]  # grid2op is untyped
+    """Draws from ``obs.action_helper``'s generator, which ``env.seed`` seeds in grid2op."""
+
+    def act(self, observation: Any, reward: float, done: bool = False) -> Any:
+        status = [None, -1, 1][int(observation.action_helper.space_prng.randint(3))]
+        return self.action_space({} if status is None else {"set_line_status": [(3, status)]})
+
+
+def test_a_reward_holding_a_part_deeper_in_the_env_and_the_observations_helper() -> None:
+    # A reward keeping the chronics' data read a copy of the pristine env's (never played:
+    # 0 where grid2op gives 55): its env is built for each episode. Observations' action_helper
+    # was the pristine env's, shared and never seeded (each run gave other numbers).
+    env = make_env(reward_class=ChronicIndexReward)
+    try:
+        expected = grid2op_run({**env.get_params_for_runner(), "agentClass": DrawsFromItsHelper})
+        assert all(r[1] > 0 for r in expected)
+        assert async_run(env, DrawsFromItsHelper) == expected
     finally:
         env.close()
 

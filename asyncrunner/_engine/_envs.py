@@ -10,11 +10,15 @@ from __future__ import annotations
 import contextlib
 import copy
 import gc
+import logging
 import os
 import pickle
 import threading
-from collections.abc import Callable
+import types
+from collections.abc import Callable, Iterable
 from typing import Any
+
+import numpy as np
 
 from .._quiet import quiet
 from ._parsed import parsing_once
@@ -55,6 +59,7 @@ class _Cached:
         self.pristine: Any = pristine if pristine is not None else self._build()
         self.lent = lent
         self.copied = copied
+        self.faithful: bool | None = None  # copies_faithfully, once asked
         self.other_reward_names = tuple(self.pristine.other_rewards)
 
     def _build(self) -> Any:
@@ -84,7 +89,9 @@ class _Cached:
         if self.pristine is None:
             with _ENVS_LOCK:  # grid2op's class creation is not thread-safe
                 self.pristine = self._build()
-        if not copies_faithfully(self.pristine):
+        if self.faithful is None:
+            self.faithful = copies_faithfully(self.pristine)
+        if not self.faithful:
             # Play the pristine env itself, build another next time.
             env, self.pristine = self.pristine, None
             return env
@@ -130,6 +137,9 @@ def fresh_copy(pristine: Any) -> Any:
     from grid2op.Observation.highresSimCounter import HighResSimCounter
 
     env = pristine.copy()
+    # grid2op's copy keeps the observation space's action space of the pristine env (shared,
+    # and never seeded: observations' ``action_helper``); a new env's is its own, seeded.
+    env._observation_space.action_helper_env = env._helper_action_env
     forecasts = getattr(env._observation_space, "obs_env", None)
     counter = HighResSimCounter()
     for holder in (env, env._observation_space, forecasts):
@@ -152,35 +162,55 @@ def _rebuild_user_parts(pristine: Any, env: Any) -> None:
     would read the pristine env, never played) and rebuilds the opponent and the voltage
     controller with ``__new__`` and ``_custom_deepcopy_for_copy`` (what ``__init__`` or the
     opponent's ``init`` set is lost, unless the class copies it). grid2op's own classes copy
-    correctly (tests/test_parity.py). A user's are ``pristine``'s, deep-copied as its build left
-    them (``_memo``): a new env's have seen the build's step (a reward or a controller that
-    counts its calls has counted it), and what the env showed them as it was built (an
-    opponent's ``init`` and a forecast reward's ``initialize`` see the backend's thermal limits,
-    not yet the env's). So are the forecast env's rewards (``obs.simulate``), and a user's reward
-    in grid2op's ``CombinedReward``.
+    correctly (tests/test_parity.py). A user's (``_user_parts``) are ``pristine``'s, deep-copied
+    as its build left them (``_memo``): a new env's have seen the build's step (a reward or a
+    controller that counts its calls has counted it), and what the env showed them as it was
+    built (an opponent's ``init`` and a forecast reward's ``initialize`` see the backend's
+    thermal limits, not yet the env's).
     """
-    forecasts = getattr(env._observation_space, "obs_env", None)
+    # (the copy has a forecast env where ``pristine`` has one, and its parts there)
+    forecasts: Any = getattr(env._observation_space, "obs_env", None)
     originals = getattr(pristine._observation_space, "obs_env", None)
     memo = _memo([(pristine, env), (originals, forecasts)])
-    if not _grid2ops_reward(pristine._reward_helper):
-        env._reward_helper = copy.deepcopy(pristine._reward_helper, memo)
-    for name, helper in pristine.other_rewards.items():
+    for (where, name), part in copy.deepcopy(_user_parts(pristine), memo).items():
+        if where == "reward":
+            env._reward_helper = part
+        elif where == "other reward":
+            env.other_rewards[name] = part
+        elif where == "forecast reward":  # the space's and its forecast env's: one object
+            env._observation_space.reward_helper = forecasts._reward_helper = part
+        elif where == "forecast other reward":
+            forecasts.other_rewards[name] = part
+        elif where == "voltage controller":
+            env._voltage_controler = part
+        elif where == "opponent space":  # (holding the opponent: one copy, the memo's)
+            env._oppSpace = part
+        else:
+            env._opponent = part
+
+
+def _user_parts(env: Any) -> dict[tuple[str, str], Any]:
+    """``env``'s parts of a user's classes (a grid2op ``CombinedReward`` of a user's reward
+    too), by where they are: what a copy of ``env`` takes from it (``_rebuild_user_parts``)."""
+    parts: dict[tuple[str, str], Any] = {}
+    if not _grid2ops_reward(env._reward_helper):
+        parts["reward", ""] = env._reward_helper
+    for name, helper in env.other_rewards.items():
         if not _grid2ops_reward(helper):
-            env.other_rewards[name] = copy.deepcopy(helper, memo)
-    if forecasts is not None and originals is not None:
-        space, pristine_space = env._observation_space, pristine._observation_space
-        if not _grid2ops_reward(pristine_space.reward_helper):
-            # One helper, the space's and its forecast env's: one copy (the memo's).
-            space.reward_helper = copy.deepcopy(pristine_space.reward_helper, memo)
-            forecasts._reward_helper = copy.deepcopy(originals._reward_helper, memo)
-        for name, helper in originals.other_rewards.items():
+            parts["other reward", name] = helper
+    forecasts = getattr(env._observation_space, "obs_env", None)
+    if forecasts is not None:
+        if not _grid2ops_reward(forecasts._reward_helper):
+            parts["forecast reward", ""] = forecasts._reward_helper
+        for name, helper in forecasts.other_rewards.items():
             if not _grid2ops_reward(helper):
-                forecasts.other_rewards[name] = copy.deepcopy(helper, memo)
-    if pristine._voltage_controler is not None and not _grid2ops(pristine._voltage_controler):
-        env._voltage_controler = copy.deepcopy(pristine._voltage_controler, memo)
-    if not (_grid2ops(pristine._opponent) and _grid2ops(pristine._oppSpace)):
-        env._oppSpace = copy.deepcopy(pristine._oppSpace, memo)
-        env._opponent = env._oppSpace.opponent
+                parts["forecast other reward", name] = helper
+    if env._voltage_controler is not None and not _grid2ops(env._voltage_controler):
+        parts["voltage controller", ""] = env._voltage_controler
+    if not (_grid2ops(env._opponent) and _grid2ops(env._oppSpace)):
+        parts["opponent space", ""] = env._oppSpace
+        parts["opponent", ""] = env._opponent
+    return parts
 
 
 def _memo(pairs: list[tuple[Any, Any]]) -> dict[int, Any]:
@@ -243,9 +273,11 @@ def copies_faithfully(pristine: Any) -> bool:
     """Whether a copy of ``pristine`` plays as a new env: its backends can be copied and are
     grid2op's or LightSim's classes (a backend's ``copy`` keeps a fixed list of attributes, not a
     subclass's), its rules and attention budget are grid2op's (the copy deep-copies them,
-    with the env one kept from ``initialize``), and its chronics do not read their files in
+    with the env one kept from ``initialize``), its chronics do not read their files in
     chunks (``data_feeding_kwargs={"chunk_size": ...}``, a handler's ``chunk_size``: the copy
-    deep-copies the open readers, which cannot be). Otherwise each episode plays a new build."""
+    deep-copies the open readers, which cannot be), and its parts of a user's classes can be
+    deep-copied (``_user_parts``: not one holding a lock or an open file). Otherwise each
+    episode plays a new build."""
     real = getattr(pristine.chronics_handler, "real_data", None)
     data = getattr(real, "data", None)
     readers = [real, data, *getattr(data, "__dict__", {}).values()]
@@ -258,7 +290,51 @@ def copies_faithfully(pristine: Any) -> bool:
         if not (getattr(backend, "_can_be_copied", True) and _grid2ops(backend)):
             return False
     others = [pristine._game_rules.legal_action, getattr(pristine, "_attention_budget", None)]
-    return all(p is None or _grid2ops(p) for p in others)
+    if not all(p is None or _grid2ops(p) for p in others):
+        return False
+    return _carried_faithfully(pristine, forecasts)
+
+
+def _carried_faithfully(pristine: Any, forecasts: Any) -> bool:
+    """Whether ``_rebuild_user_parts`` gives a copy of ``pristine`` its user parts as a new
+    build has them: they can be deep-copied, and what the copy makes of them is theirs alone.
+    Where they hold the env (its forecast env) or an attribute of it, the copy's is given
+    (``_memo``); one holding a part deeper in the env (its chronics handler's data) would read
+    a copy of the pristine env's, never played. Found by copying them once, the env's
+    attributes given as they are, and looking for what was copied among what the env holds
+    (``_reachable``, about 15 ms)."""
+    parts = _user_parts(pristine)
+    if not parts:
+        return True
+    memo = _memo([(pristine, pristine), (forecasts, forecasts)])
+    given = set(memo)
+    try:
+        copy.deepcopy(parts, memo)
+    except Exception:  # (a lock, an open file: grid2op's Runner never copies them)
+        return False
+    copied = set(memo) - given - {id(memo)}
+    return copied.isdisjoint(_reachable(pristine, parts.values()))
+
+
+def _reachable(env: Any, parts: Iterable[Any]) -> set[int]:
+    """The objects ``env`` holds (ids), but through ``parts``; not classes, modules, functions
+    nor immutable values (``copy.deepcopy`` never copies them)."""
+    seen = {id(env), *map(id, parts)}
+    stack = [env]
+    while stack:
+        for held in gc.get_referents(stack.pop()):
+            if id(held) not in seen and not isinstance(held, _NEVER_COPIED):
+                seen.add(id(held))
+                stack.append(held)
+    return seen - set(map(id, parts))
+
+
+# Not copied, or copied as values: a logger (grid2op's are not the logging module's) and a
+# dtype are the same in both.
+_NEVER_COPIED = (
+    type, types.ModuleType, types.FunctionType, types.BuiltinFunctionType, types.MethodType,
+    int, float, complex, str, bytes, bool, type(None), logging.Logger, np.dtype,
+)  # fmt: skip
 
 
 _ENVS: dict[str, _Cached] = {}
