@@ -259,6 +259,22 @@ def test_agent_needing_more_than_the_action_space_is_refused_by_the_runner(
         AsyncRunner(env, agent=agent)
 
 
+class _PolicyWrapper:
+    """Not a BaseAgent, with what an episode calls: it plays."""
+
+    def __init__(self, action_space: Any) -> None:
+        self.action_space = action_space
+
+    def seed(self, seed: Any) -> None:
+        pass
+
+    def reset(self, observation: Any) -> None:
+        pass
+
+    def act(self, observation: Any, reward: float, done: bool = False) -> Any:
+        return self.action_space({})
+
+
 def test_a_factory_returning_no_agent_fails_its_episodes_saying_so(env: Any) -> None:
     import anyio
 
@@ -268,7 +284,10 @@ def test_a_factory_returning_no_agent_fails_its_episodes_saying_so(env: Any) -> 
         async with AsyncRunner(env, agent=lambda action_space: 42, workers=1) as runner:
             with pytest.raises(EpisodeError) as caught:
                 await runner.run(1, max_iter=5)
-        assert "returned int, not a grid2op BaseAgent" in str(caught.value)
+        assert "returned int, not an agent (no seed, reset and act)" in str(caught.value)
+        async with AsyncRunner(env, agent=lambda space: _PolicyWrapper(space), workers=1) as runner:
+            (played,) = await runner.run(1, max_iter=5)
+        assert (played.nb_time_step, played.error) == (5, None)
 
     anyio.run(main)
 
@@ -319,6 +338,8 @@ def test_a_scheduler_address_where_no_dask_scheduler_answers_is_refused(
             "b'SSH-2.0-'..., not a Dask scheduler's greeting)",
             capsys,
         )
+    # An IPv6 address without a port is Dask's default port's, not a port "1]".
+    assert "invalid literal" not in str(unreachable("tcp://[::1]", timeout=0.2))
     # An HTTP server (the dashboard's port): Dask's client waited for ever.
     with _listener(None) as address:
         assert unreachable(address, timeout=0.2) == (

@@ -110,14 +110,14 @@ class _Cached:
         if kind == "class":
             return agent(env.action_space)
         if kind == "factory":
-            from grid2op.Agent import BaseAgent
-
             made = agent(env.action_space)
-            if not isinstance(made, BaseAgent):
+            # What an episode calls (a BaseAgent, or a policy wrapper with the same methods).
+            if not all(callable(getattr(made, m, None)) for m in ("seed", "reset", "act")):
                 raise TypeError(
                     f"agent factory {getattr(agent, '__qualname__', repr(agent))} returned "
-                    f"{type(made).__qualname__}, not a grid2op BaseAgent: a factory takes the "
-                    "env's action space and returns the agent that plays the episode"
+                    f"{type(made).__qualname__}, not an agent (no seed, reset and act): a "
+                    "factory takes the env's action space and returns the agent that plays "
+                    "the episode, a grid2op BaseAgent"
                 )
             return made
         return copy.copy(agent)

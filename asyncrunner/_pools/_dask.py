@@ -122,7 +122,7 @@ def unreachable(address: str, timeout: float = 5.0) -> str | None:
     if scheme not in ("", "tcp"):
         return None
     host, sep, port = rest.rpartition(":")
-    if not sep:
+    if not sep or rest.endswith("]"):  # no port ("[::1]": an IPv6 address's own colons)
         host, port = rest, "8786"
     try:
         with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout) as conn:
