@@ -15,8 +15,9 @@ import multiprocessing
 import os
 import threading
 import warnings
+import weakref
 import zipapp
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, ClassVar
@@ -607,15 +608,78 @@ def test_a_users_part_that_cannot_be_copied_plays_on_a_new_build() -> None:
         env.close()
 
 
-class ChronicIndexReward(BaseReward):  # type: ignore[misc]  # grid2op is untyped
-    """Keeps a part of a part of the env (its chronics' data) and reads it at every step."""
+class _KeepsTheEnv(BaseReward):  # type: ignore[misc]  # grid2op is untyped
+    """A reward keeping something of the env ``initialize`` gives it, read at every step."""
 
     def initialize(self, env: Any) -> None:
+        self.reward_min, self.reward_max = -1e9, 1e9
+
+
+class ChronicIndexReward(_KeepsTheEnv):
+    """Keeps a part of a part of the env (its chronics' data)."""
+
+    def initialize(self, env: Any) -> None:
+        super().initialize(env)
         self.data = getattr(env.chronics_handler, "real_data", None)  # (none in a forecast env)
-        self.reward_min, self.reward_max = 0.0, 1000.0
 
     def __call__(self, action: Any, env: Any, *flags: Any) -> float:
         return 0.0 if self.data is None else float(self.data.data.current_index)
+
+
+class WeakEnvReward(_KeepsTheEnv):
+    """Keeps a weak reference to the env (copied as it is)."""
+
+    def initialize(self, env: Any) -> None:
+        super().initialize(env)
+        self.env: Callable[[], Any] = weakref.ref(env)
+
+    def __call__(self, action: Any, env: Any, *flags: Any) -> float:
+        return float(self.env().nb_time_step)
+
+
+class ProxyReward(_KeepsTheEnv):
+    """Keeps a weak proxy of the env (deep-copying it made an env that closed the backend)."""
+
+    def initialize(self, env: Any) -> None:
+        super().initialize(env)
+        self.env = weakref.proxy(env)
+
+    def __call__(self, action: Any, env: Any, *flags: Any) -> float:
+        return float(self.env.nb_time_step)
+
+
+class ClosureReward(_KeepsTheEnv):
+    """Keeps a function closing over the env (copied as it is)."""
+
+    def initialize(self, env: Any) -> None:
+        super().initialize(env)
+        self.step_of: Callable[[], Any] = lambda: env.nb_time_step
+
+    def __call__(self, action: Any, env: Any, *flags: Any) -> float:
+        return float(self.step_of())
+
+
+class ViewReward(_KeepsTheEnv):
+    """Keeps a view of an array the env writes at every step (a copy no longer follows it)."""
+
+    def initialize(self, env: Any) -> None:
+        super().initialize(env)
+        self.gen_p = env._gen_activeprod_t[:3]
+
+    def __call__(self, action: Any, env: Any, *flags: Any) -> float:
+        return float(self.gen_p.sum())
+
+
+class HelperReward(_KeepsTheEnv):
+    """Keeps the env's action space for its own actions (its forecast env's too), seeded by
+    ``env.seed``, and draws from it."""
+
+    def initialize(self, env: Any) -> None:
+        super().initialize(env)
+        self.helper = env._helper_action_env
+
+    def __call__(self, action: Any, env: Any, *flags: Any) -> float:
+        return float(self.helper.space_prng.randint(100))
 
 
 class DrawsFromItsHelper(BaseAgent):  # type: ignore[misc]  # grid2op is untyped
@@ -626,11 +690,18 @@ class DrawsFromItsHelper(BaseAgent):  # type: ignore[misc]  # grid2op is untyped
         return self.action_space({} if status is None else {"set_line_status": [(3, status)]})
 
 
-def test_a_reward_holding_a_part_deeper_in_the_env_and_the_observations_helper() -> None:
-    # A reward keeping the chronics' data read a copy of the pristine env's (never played:
-    # 0 where grid2op gives 55): its env is built for each episode. Observations' action_helper
-    # was the pristine env's, shared and never seeded (each run gave other numbers).
-    env = make_env(reward_class=ChronicIndexReward)
+@pytest.mark.parametrize(
+    "reward",
+    [ChronicIndexReward, WeakEnvReward, ProxyReward, ClosureReward, ViewReward, HelperReward],
+)
+def test_a_reward_holding_the_env_in_other_ways_plays_as_in_grid2op(reward: type[Any]) -> None:
+    # Holding the env otherwise than by its attributes, copied with the pristine env's parts
+    # (never played: 0 where grid2op gives 55, or a view frozen at the build's values): their
+    # env is built for each episode (found by hunt and review). The env's action space for its
+    # own actions is also its forecast env's: the copy's forecast env had its own, never
+    # seeded. Observations' action_helper was the pristine env's, shared and never seeded
+    # (each run gave other numbers).
+    env = make_env(reward_class=reward)
     try:
         expected = grid2op_run({**env.get_params_for_runner(), "agentClass": DrawsFromItsHelper})
         assert all(r[1] > 0 for r in expected)

@@ -15,6 +15,7 @@ import os
 import pickle
 import threading
 import types
+import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -141,6 +142,8 @@ def fresh_copy(pristine: Any) -> Any:
     # and never seeded: observations' ``action_helper``); a new env's is its own, seeded.
     env._observation_space.action_helper_env = env._helper_action_env
     forecasts = getattr(env._observation_space, "obs_env", None)
+    if forecasts is not None:  # (a new env's forecast env acts with the env's, too)
+        forecasts._helper_action_env = forecasts._action_space = env._helper_action_env
     counter = HighResSimCounter()
     for holder in (env, env._observation_space, forecasts):
         if holder is not None:
@@ -220,7 +223,7 @@ def _memo(pairs: list[tuple[Any, Any]]) -> dict[int, Any]:
     holds the copy's (and what the copy shares with the env stays shared). Not the parts copied
     (``_PARTS``): the memo would give the copy's own, grid2op's copy of them."""
     memo: dict[int, Any] = {}
-    for original, copied in pairs:
+    for original, copied in reversed(pairs):  # the first pair's mapping wins (the env's)
         if original is None or copied is None:
             continue
         memo[id(original)] = copied
@@ -242,11 +245,15 @@ _IMMUTABLE = (int, float, complex, str, bytes, bool, tuple, frozenset, type, typ
 
 def _grid2ops_reward(helper: Any) -> bool:
     """Whether a ``RewardHelper``'s reward, and each reward it combines (grid2op's
-    ``CombinedReward``), are grid2op's own."""
-    reward = helper.template_reward
-    combined = getattr(reward, "rewards", None)
-    inner = list(combined.values()) if isinstance(combined, dict) else []
-    return all(_grid2ops(part) for part in [reward, *inner])
+    ``CombinedReward``, nested too), are grid2op's own."""
+    rewards = [helper.template_reward]
+    while rewards:
+        reward = rewards.pop()
+        if not _grid2ops(reward):
+            return False
+        combined = getattr(reward, "rewards", None)
+        rewards.extend(combined.values() if isinstance(combined, dict) else ())
+    return True
 
 
 # The packages of grid2op's (and LightSim's) own env parts, whose copies tests/test_parity.py
@@ -297,44 +304,79 @@ def copies_faithfully(pristine: Any) -> bool:
 
 def _carried_faithfully(pristine: Any, forecasts: Any) -> bool:
     """Whether ``_rebuild_user_parts`` gives a copy of ``pristine`` its user parts as a new
-    build has them: they can be deep-copied, and what the copy makes of them is theirs alone.
-    Where they hold the env (its forecast env) or an attribute of it, the copy's is given
-    (``_memo``); one holding a part deeper in the env (its chronics handler's data) would read
-    a copy of the pristine env's, never played. Found by copying them once, the env's
-    attributes given as they are, and looking for what was copied among what the env holds
-    (``_reachable``, about 15 ms)."""
+    build has them: what they hold past the env and its attributes (the copy's are given:
+    ``_memo``) is theirs alone (``_theirs``), and they can be deep-copied (not a lock, an open
+    file: grid2op's Runner never copies them). One holding a part deeper in the env (its
+    chronics handler's data) would read a copy of the pristine env's, never played."""
     parts = _user_parts(pristine)
     if not parts:
         return True
     memo = _memo([(pristine, pristine), (forecasts, forecasts)])
-    given = set(memo)
+    if not _theirs(parts.values(), set(memo), _reachable(pristine, parts.values())):
+        return False
     try:
         copy.deepcopy(parts, memo)
-    except Exception:  # (a lock, an open file: grid2op's Runner never copies them)
+    except Exception:
         return False
-    copied = set(memo) - given - {id(memo)}
-    return copied.isdisjoint(_reachable(pristine, parts.values()))
+    return True
+
+
+def _theirs(parts: Iterable[Any], given: set[int], env_objects: set[int]) -> bool:
+    """Whether what ``parts`` hold, past what the copy is ``given`` its own of (by id), is
+    theirs alone: none of ``env_objects`` (what the env holds, by id), no weak reference nor
+    function closing over (or defaulting to) more than values (``copy.deepcopy`` leaves them as
+    they are: to the pristine env's), no view of an array of the env's (copied, it no longer
+    follows the env's). Not a function's module's globals."""
+    seen: set[int] = set()
+    stack = list(parts)
+    while stack:
+        held = stack.pop()
+        if id(held) in seen or id(held) in given or isinstance(held, _VALUES):
+            continue
+        seen.add(id(held))
+        shared = id(held) in env_objects and not isinstance(held, (tuple, frozenset))
+        if shared or isinstance(held, _WEAK):  # (a tuple's items are looked at in turn)
+            return False
+        if isinstance(held, types.FunctionType):
+            kept = [*(held.__defaults__ or ()), *(held.__kwdefaults__ or {}).values()]
+            for cell in held.__closure__ or ():
+                with contextlib.suppress(ValueError):  # (an empty cell)
+                    kept.append(cell.cell_contents)
+            if not all(isinstance(value, _VALUES) for value in kept):
+                return False
+        elif not isinstance(held, (type, types.ModuleType, types.BuiltinFunctionType)):
+            stack.extend(gc.get_referents(held))
+            base = getattr(held, "base", None) if isinstance(held, np.ndarray) else None
+            if base is not None:
+                if id(base) in given:
+                    return False
+                stack.append(base)
+    return True
 
 
 def _reachable(env: Any, parts: Iterable[Any]) -> set[int]:
     """The objects ``env`` holds (ids), but through ``parts``; not classes, modules, functions
-    nor immutable values (``copy.deepcopy`` never copies them)."""
+    nor values (``_VALUES``)."""
     seen = {id(env), *map(id, parts)}
     stack = [env]
     while stack:
         for held in gc.get_referents(stack.pop()):
-            if id(held) not in seen and not isinstance(held, _NEVER_COPIED):
+            if id(held) not in seen and not isinstance(held, _NOT_HELD):
                 seen.add(id(held))
                 stack.append(held)
     return seen - set(map(id, parts))
 
 
-# Not copied, or copied as values: a logger (grid2op's are not the logging module's) and a
-# dtype are the same in both.
-_NEVER_COPIED = (
-    type, types.ModuleType, types.FunctionType, types.BuiltinFunctionType, types.MethodType,
-    int, float, complex, str, bytes, bool, type(None), logging.Logger, np.dtype,
+# Copied as values, or not at all: a logger (grid2op's are not the logging module's), a dtype
+# and a numpy scalar are the same in both.
+_VALUES = (
+    int, float, complex, str, bytes, bool, type(None), logging.Logger, np.dtype, np.generic,
 )  # fmt: skip
+_NOT_HELD = (
+    *_VALUES, type, types.ModuleType, types.FunctionType, types.BuiltinFunctionType,
+    types.MethodType,
+)  # fmt: skip
+_WEAK = (weakref.ref, weakref.ProxyType, weakref.CallableProxyType)
 
 
 _ENVS: dict[str, _Cached] = {}
