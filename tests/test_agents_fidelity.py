@@ -670,6 +670,32 @@ class ViewReward(_KeepsTheEnv):
         return float(self.gen_p.sum())
 
 
+class AppendsReward(_KeepsTheEnv):
+    """Keeps a list's built-in ``append`` (copied as it is: the pristine env's part's list)."""
+
+    def initialize(self, env: Any) -> None:
+        super().initialize(env)
+        self.seen: list[int] = []
+        self.push = self.seen.append
+
+    def __call__(self, action: Any, env: Any, *flags: Any) -> float:
+        self.push(1)
+        return float(len(self.seen))
+
+
+class ObjectArrayReward(_KeepsTheEnv):
+    """Keeps the chronics' data in an array of objects (whose items gc does not report)."""
+
+    def initialize(self, env: Any) -> None:
+        super().initialize(env)
+        self.held = np.empty(1, dtype=object)
+        self.held[0] = getattr(env.chronics_handler, "real_data", None)
+
+    def __call__(self, action: Any, env: Any, *flags: Any) -> float:
+        data = self.held[0]
+        return 0.0 if data is None else float(data.data.current_index)
+
+
 class HelperReward(_KeepsTheEnv):
     """Keeps the env's action space for its own actions (its forecast env's too), seeded by
     ``env.seed``, and draws from it."""
@@ -690,10 +716,13 @@ class DrawsFromItsHelper(BaseAgent):  # type: ignore[misc]  # grid2op is untyped
         return self.action_space({} if status is None else {"set_line_status": [(3, status)]})
 
 
-@pytest.mark.parametrize(
-    "reward",
-    [ChronicIndexReward, WeakEnvReward, ProxyReward, ClosureReward, ViewReward, HelperReward],
-)
+HOLDING_THE_ENV = [
+    ChronicIndexReward, WeakEnvReward, ProxyReward, ClosureReward, ViewReward, HelperReward,
+    AppendsReward, ObjectArrayReward,
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("reward", HOLDING_THE_ENV)
 def test_a_reward_holding_the_env_in_other_ways_plays_as_in_grid2op(reward: type[Any]) -> None:
     # Holding the env otherwise than by its attributes, copied with the pristine env's parts
     # (never played: 0 where grid2op gives 55, or a view frozen at the build's values): their

@@ -323,10 +323,11 @@ def _carried_faithfully(pristine: Any, forecasts: Any) -> bool:
 
 def _theirs(parts: Iterable[Any], given: set[int], env_objects: set[int]) -> bool:
     """Whether what ``parts`` hold, past what the copy is ``given`` its own of (by id), is
-    theirs alone: none of ``env_objects`` (what the env holds, by id), no weak reference nor
-    function closing over (or defaulting to) more than values (``copy.deepcopy`` leaves them as
-    they are: to the pristine env's), no view of an array of the env's (copied, it no longer
-    follows the env's). Not a function's module's globals."""
+    theirs alone: none of ``env_objects`` (what the env holds, by id), no weak reference, no
+    function closing over (or defaulting to) more than values nor built-in method of an object
+    (``copy.deepcopy`` leaves them as they are: to the pristine env's, or its part's), no view
+    of an array of the env's (copied, it no longer follows the env's). Not a function's
+    module's globals."""
     seen: set[int] = set()
     stack = list(parts)
     while stack:
@@ -344,8 +345,11 @@ def _theirs(parts: Iterable[Any], given: set[int], env_objects: set[int]) -> boo
                     kept.append(cell.cell_contents)
             if not all(isinstance(value, _VALUES) for value in kept):
                 return False
-        elif not isinstance(held, (type, types.ModuleType, types.BuiltinFunctionType)):
-            stack.extend(gc.get_referents(held))
+        elif isinstance(held, types.BuiltinFunctionType):  # (a list's append, len)
+            if not isinstance(held.__self__, (type(None), types.ModuleType, type)):
+                return False
+        elif not isinstance(held, (type, types.ModuleType)):
+            stack.extend(_held_by(held))
             base = getattr(held, "base", None) if isinstance(held, np.ndarray) else None
             if base is not None:
                 if id(base) in given:
@@ -360,11 +364,21 @@ def _reachable(env: Any, parts: Iterable[Any]) -> set[int]:
     seen = {id(env), *map(id, parts)}
     stack = [env]
     while stack:
-        for held in gc.get_referents(stack.pop()):
+        for held in _held_by(stack.pop()):
             if id(held) not in seen and not isinstance(held, _NOT_HELD):
                 seen.add(id(held))
                 stack.append(held)
     return seen - set(map(id, parts))
+
+
+def _held_by(obj: Any) -> list[Any]:
+    """What ``obj`` holds: ``gc.get_referents``, and the items of an array of objects (which
+    it does not report, and ``copy.deepcopy`` copies)."""
+    held = gc.get_referents(obj)
+    if isinstance(obj, np.ndarray) and obj.dtype.hasobject:
+        # (a structured array's object fields: each record's, as a tuple of its fields)
+        held.extend(obj.ravel().tolist())
+    return held
 
 
 # Copied as values, or not at all: a logger (grid2op's are not the logging module's), a dtype
