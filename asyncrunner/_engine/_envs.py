@@ -171,11 +171,14 @@ def _rebuild_user_parts(pristine: Any, env: Any) -> None:
     built (an opponent's ``init`` and a forecast reward's ``initialize`` see the backend's
     thermal limits, not yet the env's).
     """
+    parts = _user_parts(pristine)
+    if not parts:
+        return  # (grid2op's own: no memo to make, at every episode)
     # (the copy has a forecast env where ``pristine`` has one, and its parts there)
     forecasts: Any = getattr(env._observation_space, "obs_env", None)
     originals = getattr(pristine._observation_space, "obs_env", None)
     memo = _memo([(pristine, env), (originals, forecasts)])
-    for (where, name), part in copy.deepcopy(_user_parts(pristine), memo).items():
+    for (where, name), part in copy.deepcopy(parts, memo).items():
         if where == "reward":
             env._reward_helper = part
         elif where == "other reward":
@@ -240,7 +243,6 @@ def _memo(pairs: list[tuple[Any, Any]]) -> dict[int, Any]:
 _PARTS = frozenset(
     {"_reward_helper", "other_rewards", "_voltage_controler", "_oppSpace", "_opponent"}
 )
-_IMMUTABLE = (int, float, complex, str, bytes, bool, tuple, frozenset, type, type(None))
 
 
 def _grid2ops_reward(helper: Any) -> bool:
@@ -391,6 +393,8 @@ _NOT_HELD = (
     types.MethodType,
 )  # fmt: skip
 _WEAK = (weakref.ref, weakref.ProxyType, weakref.CallableProxyType)
+# Never mapped by ``_memo``: shared, or equal in both (an int is not the env's object).
+_IMMUTABLE = (*_VALUES, tuple, frozenset, type)
 
 
 _ENVS: dict[str, _Cached] = {}
