@@ -293,6 +293,17 @@ def _backend(name: str | None) -> Any:
     return LightSimBackend()
 
 
+# The library's messages name its arguments; on the command line they are these options.
+_OPTIONS = {"`nb_scenario`": "--nb-scenario", "`path_save`": "--save", "`cache_dir`": "--cache-dir"}
+
+
+def as_options(message: str) -> str:
+    """``message`` with the library's argument names replaced by the CLI's options."""
+    for argument, option in _OPTIONS.items():
+        message = message.replace(argument, option)
+    return message
+
+
 def one_line(text: str, limit: int = 80) -> str:
     line = " ".join(text.split())
     return line if len(line) <= limit else line[: limit - 1] + "…"

@@ -24,6 +24,7 @@ from ._common import (
     Terminated,
     UsageError,
     add_env_options,
+    as_options,
     at_least,
     check_plot,
     derive_seeds,
@@ -163,10 +164,7 @@ def main(argv: Sequence[str]) -> int:
             )
         )
     except ValueError as exc:
-        message = str(exc)
-        for argument, option in _OPTIONS.items():
-            message = message.replace(argument, option)
-        parser.error(message)
+        parser.error(as_options(str(exc)))
     except EpisodeError as exc:
         notes = "".join(f"\n{note}" for note in getattr(exc, "__notes__", ()))
         print(f"asyncrunner score: {str(exc).rstrip()}{notes}", file=sys.stderr)
@@ -189,10 +187,6 @@ def main(argv: Sequence[str]) -> int:
         figure(results).savefig(args.plot)
         print(f"plot written to {args.plot}", file=sys.stderr if args.json else sys.stdout)
     return 0
-
-
-# score()'s messages name its arguments; here they are these options.
-_OPTIONS = {"`nb_scenario`": "--nb-scenario", "`path_save`": "--save", "`cache_dir`": "--cache-dir"}
 
 
 def _as_dict(result: ScoreResult) -> dict[str, Any]:

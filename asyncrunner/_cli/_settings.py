@@ -19,7 +19,7 @@ from .._model import (
 )
 from .._pools._dask import unreachable
 from ..sinks import Sink
-from ._common import DEFAULT_ENV, UsageError, derive_seeds, load_agent, make_env
+from ._common import DEFAULT_ENV, UsageError, as_options, derive_seeds, load_agent, make_env
 
 __all__ = ["Settings"]
 
@@ -41,7 +41,7 @@ class Settings:
             try:
                 check_path_save(args.save)
             except (ValueError, TypeError) as exc:
-                raise UsageError(str(exc).replace("`path_save`", "--save")) from None
+                raise UsageError(as_options(str(exc))) from None
         if args.scheduler is not None:
             _check_scheduler(args.scheduler)
         self.env = make_env(args.env, test=args.test, backend=args.backend)
