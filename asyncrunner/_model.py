@@ -179,6 +179,9 @@ class Staged:
 class EpisodeFinished:
     """An episode ended (game over or end of its chronic); ``times`` as grid2op's ``episode_times.json``.
 
+    ``cum_reward``: the rewards summed as grid2op's Runner sums them (from a float32, which a
+    float64 reward makes a float64: ``cum_reward_type``, numpy's type of that sum);
+    ``cum_reward64``: as grid2op's ``CompactEpisodeData`` sums them (``float(reward)``).
     ``files``: the episode's saved files, built by the worker for the run's episode writers, by
     format (``Sink.episode_format``): by file name, or ``Staged`` when the worker wrote them
     itself; empty for every other sink and in ``stream()``.
@@ -190,6 +193,8 @@ class EpisodeFinished:
     chronics_path: str
     name: str
     cum_reward: float
+    cum_reward_type: str
+    cum_reward64: float
     nb_time_step: int
     max_ts: int
     env_seed: int | None

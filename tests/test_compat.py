@@ -7,6 +7,7 @@ import copy
 import errno
 import gc
 import inspect
+import json
 import logging
 import multiprocessing
 import os
@@ -24,7 +25,7 @@ from grid2op.Agent import BaseAgent, DoNothingAgent
 from grid2op.Environment import MaskedEnvironment, TimedOutEnvironment
 from grid2op.Episode import CompactEpisodeData, EpisodeData
 from grid2op.Exceptions import Grid2OpException
-from grid2op.Reward import BaseReward, L2RPNReward
+from grid2op.Reward import BaseReward, L2RPNReward, LinesCapacityReward
 from grid2op.Runner import Runner as GridRunner
 
 from asyncrunner import AsyncRunner, EpisodeError, SinkError, compat
@@ -921,3 +922,41 @@ def test_each_call_outside_a_with_block_plays_the_env_folder_as_it_is(tmp_path: 
     finally:
         ours.close()
         env.close()
+
+
+class TenthReward(BaseReward):  # type: ignore[misc]  # grid2op is untyped
+    """0.1 at each step: a Python float that float32 cannot hold exactly."""
+
+    def __call__(self, action: Any, env: Any, *args: Any) -> float:
+        return 0.1
+
+
+@pytest.mark.parametrize("reward_class", [LinesCapacityReward, TenthReward])
+def test_rewards_that_are_no_float32_sum_as_grid2op_sums_them(
+    reward_class: type, tmp_path: Path
+) -> None:
+    """grid2op adds each reward to a float32 sum, which a float64 reward (LinesCapacityReward's)
+    makes a float64; CompactEpisodeData sums ``float(reward)``. 64 steps: the last batch of
+    steps is full, and the detailed output reads the steps too (it was counted twice)."""
+    env = make_env(reward_class=reward_class)
+    kwargs: dict[str, Any] = dict(nb_episode=2, max_iter=64, env_seeds=[0, 1])
+    for compact in (False, True):
+        made = dict(agentClass=DoNothingAgent, use_compact_episode_data=compact)
+        theirs_path, ours_path = tmp_path / f"grid2op{compact}", tmp_path / f"compat{compact}"
+        theirs_path.mkdir()
+        expected = grid2ops(
+            grid_runner(env, **made).run, path_save=theirs_path, add_detailed_output=True, **kwargs
+        )
+        runner = compat_runner(env, **made)
+        results = quiet(runner.run, path_save=ours_path, add_detailed_output=True, **kwargs)
+        assert [repr(r[2]) for r in results] == [repr(r[2]) for r in expected]
+        assert [r[5].meta for r in results] == [r[5].meta for r in expected]
+        one = runner.run_one_episode(max_iter=5, env_seed=0)
+        runner.close()
+        other = grid2ops(grid_runner(env, **made).run_one_episode, max_iter=5, env_seed=0)
+        assert repr(one[2]) == repr(other[2])
+        if compact:
+            meta = "CompactEpisodeData/0000_metadata.json"
+            saved = [json.loads((p / meta).read_text()) for p in (ours_path, theirs_path)]
+            assert saved[0]["cumulative_reward"] == saved[1]["cumulative_reward"]
+    env.close()

@@ -100,6 +100,8 @@ def _finished(job: EpisodeJob) -> EpisodeFinished:
         chronics_path=f"chronics/{job.episode_id}",
         name=str(job.episode_id),
         cum_reward=float(job.attempt),  # says which attempt finished
+        cum_reward_type="float32",
+        cum_reward64=float(job.attempt),
         nb_time_step=10,
         max_ts=10,
         env_seed=job.env_seed,

@@ -340,14 +340,9 @@ class Batcher:
         n = self.n
         if n == 0:
             return None
-        if self.job.detail:  # the orchestrator reads the arrays: this batch's rows are all wide
-            batch = self._batch(0, n)
-            if self.keep is not None:
-                self.keep.add(batch)
-            self.w = 0
-        else:
-            self._keep()
-            batch = self._batch(0, 0)
+        self._keep()  # the rows the buffer has not kept yet (a full batch's may be kept)
+        # The orchestrator reads the arrays (``detail``): this batch's rows are all wide.
+        batch = self._batch(0, n if self.job.detail else 0)
         self.first_step += n
         self.n = 0
         self.last_flush = time.perf_counter()

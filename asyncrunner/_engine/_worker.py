@@ -221,6 +221,7 @@ def _play_on(job: EpisodeJob, env: Any, cached: _Cached, send: Any, progress: li
     time_step = 0
     time_act = 0.0
     cum_reward = dt_float(0.0)
+    cum_reward64 = 0.0  # as CompactEpisodeData sums: float(reward), in float64
     reward = float(env.reward_range[0])
     done = False
     beg_ = time.perf_counter()
@@ -236,12 +237,14 @@ def _play_on(job: EpisodeJob, env: Any, cached: _Cached, send: Any, progress: li
                 for (obs, reward, done, info), attack in played:
                     time_step += 1
                     cum_reward += reward
+                    cum_reward64 += float(reward)
                     batch.add(env, act, obs, reward, done, info, attack, end__ - beg__, names)
             else:
                 with exclusive():
                     obs, reward, done, info = env.step(act)
                 time_step += 1
                 cum_reward += reward
+                cum_reward64 += float(reward)
                 batch.add(
                     env,
                     act,
@@ -260,7 +263,9 @@ def _play_on(job: EpisodeJob, env: Any, cached: _Cached, send: Any, progress: li
     end_ = time.perf_counter()
     progress[0] = time_step
     last = [b for b in [batch.take()] if b is not None]
-    finished = _finished(job, env, cum_reward, time_step, max_ts, time_act, end_ - beg_)
+    finished = _finished(
+        job, env, (cum_reward, cum_reward64), time_step, max_ts, time_act, end_ - beg_
+    )
     if keep is not None:
         try:
             files = episode_files(
@@ -352,7 +357,7 @@ def _started(
 def _finished(
     job: EpisodeJob,
     env: Any,
-    cum_reward: Any,
+    sums: tuple[Any, float],
     time_step: int,
     max_ts: int,
     time_act: float,
@@ -366,7 +371,9 @@ def _finished(
         attempt=job.attempt,
         chronics_path=str(chronics.get_id()),
         name=str(chronics.get_name()),
-        cum_reward=float(cum_reward),
+        cum_reward=float(sums[0]),
+        cum_reward_type=np.result_type(sums[0]).name,
+        cum_reward64=sums[1],
         nb_time_step=int(time_step),
         max_ts=int(max_ts),
         env_seed=job.env_seed,

@@ -23,7 +23,7 @@ from ._rules import (
     reset_options_for_core,
 )
 from ._session import AgentClass, AgentCopies, EnvView, Session
-from ._sinks import EpisodeLog, ReplacingCompactWriter, ReplacingWriter, Sum64
+from ._sinks import EpisodeLog, ReplacingCompactWriter, ReplacingWriter, Sums
 
 __all__ = ["call", "play"]
 
@@ -70,9 +70,8 @@ def play(
         writer = ReplacingCompactWriter(path_save) if compact else ReplacingWriter(path_save)
         sinks.append(writer)
     sinks.append(EpisodeLog(runner.logger))
-    sums = Sum64() if compact else None
-    if sums is not None:
-        sinks.append(sums)
+    sums = Sums()
+    sinks.append(sums)
     kwargs: dict[str, Any] = dict(
         nb_episode=nb_episode,
         path_save=None,
@@ -92,7 +91,8 @@ def play(
     return [
         grid2op_tuple(
             r,
-            None if sums is None else sums.sums.get(r.index, 0.0),
+            sums.sums.get(r.index, ("float32", r.cum_reward)),
+            compact=compact,
             raw_reward=raw_reward,
             detailed=detailed,
             path_save=path_save,

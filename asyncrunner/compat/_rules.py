@@ -269,22 +269,29 @@ def located(result: EpisodeResult, path_save: str | os.PathLike[str] | None) -> 
 
 def grid2op_tuple(
     result: EpisodeResult,
-    exact_sum: Any,
+    sums: tuple[str, float],
     *,
+    compact: bool,
     raw_reward: bool,
     detailed: bool,
     path_save: str | os.PathLike[str] | None,
     nb_highres: bool,
 ) -> tuple[Any, ...]:
     """What grid2op's Runner returns for an episode: ``(id_chron, name_chron, cum_reward,
-    nb_time_step, max_ts[, episode_data][, nb_highres_sim])``. The reward as grid2op sums it:
-    ``exact_sum`` (CompactEpisodeData's float64 sum) or float32 of ours; a Python float from
-    ``run()``, numpy's from ``run_one_episode()`` (``raw_reward``)."""
-    cum_reward = np.float32(result.cum_reward) if exact_sum is None else exact_sum
+    nb_time_step, max_ts[, episode_data][, nb_highres_sim])``. The reward as grid2op sums it
+    (``sums``: numpy's type of that sum, and CompactEpisodeData's float64 sum): a Python float
+    from ``run()``, numpy's from ``run_one_episode()`` (``raw_reward``), CompactEpisodeData's
+    with ``compact``."""
+    kind, sum64 = sums
+    cum_reward: Any = result.cum_reward
+    if compact:
+        cum_reward = sum64
+    elif raw_reward:
+        cum_reward = np.dtype(kind).type(cum_reward)
     res: tuple[Any, ...] = (
         result.chronics_path,
         result.name,
-        cum_reward if raw_reward else float(cum_reward),
+        cum_reward,
         result.nb_time_step,
         result.max_ts,
     )

@@ -1,4 +1,4 @@
-"""The sinks ``compat.Runner`` adds: grid2op's overwriting saves, float64 reward sums."""
+"""The sinks ``compat.Runner`` adds: grid2op's overwriting saves, its logs, its reward sums."""
 
 from __future__ import annotations
 
@@ -6,12 +6,12 @@ import logging
 import os
 import secrets
 
-from .._model import EpisodeFinished, EpisodeStarted, Event, StepBatch
+from .._model import EpisodeFinished, Event
 from .._plan._layout import sync
 from ..sinks import CompactEpisodeWriter, EpisodeDataWriter
 from ..sinks._base import Sink
 
-__all__ = ["EpisodeLog", "ReplacingCompactWriter", "ReplacingWriter", "Sum64"]
+__all__ = ["EpisodeLog", "ReplacingCompactWriter", "ReplacingWriter", "Sums"]
 
 
 class ReplacingWriter(EpisodeDataWriter):
@@ -100,25 +100,18 @@ class ReplacingCompactWriter(CompactEpisodeWriter):
         return npz_path
 
 
-class Sum64(Sink):
-    """Each episode's cumulative reward summed in float64, as ``CompactEpisodeData`` sums it."""
+class Sums(Sink):
+    """Each finished episode's reward sums, as grid2op's Runner returns them: numpy's type of
+    its sum, and ``CompactEpisodeData``'s float64 one (``EpisodeFinished``)."""
 
     needs_steps = False
 
     def __init__(self) -> None:
-        self.sums: dict[int, float] = {}
-        self._attempts: dict[int, int] = {}
+        self.sums: dict[int, tuple[str, float]] = {}
 
     async def send(self, event: Event) -> None:
-        if isinstance(event, StepBatch):
-            if self._attempts.get(event.index) == event.attempt:
-                total = self.sums[event.index]
-                for reward in event.rewards.tolist():
-                    total += float(reward)
-                self.sums[event.index] = total
-        elif isinstance(event, EpisodeStarted):
-            self.sums[event.index] = 0.0
-            self._attempts[event.index] = event.attempt
+        if isinstance(event, EpisodeFinished):
+            self.sums[event.index] = (event.cum_reward_type, event.cum_reward64)
 
 
 class EpisodeLog(Sink):

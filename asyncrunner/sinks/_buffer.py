@@ -58,7 +58,6 @@ class EpisodeBuffer:
         self.started = started
         self.attempt = started.attempt
         self.n = 0
-        self.cum_reward64 = 0.0  # as CompactEpisodeData sums: float(reward) in float64
         self._first = np.asarray(started.observation, dtype=np.float32)
         self._data: dict[str, np.ndarray] = {}  # allocated with the first batch's widths
         self._spare = spare
@@ -97,8 +96,6 @@ class EpisodeBuffer:
         for name, arr in self._data.items():
             start = lo + (name == "observations")
             arr[start : start + k] = _of(batch, name)
-        for reward in batch.rewards.tolist():
-            self.cum_reward64 += float(reward)
         self.n = max(self.n, lo + k)
 
     def padded(self, capacity: int) -> dict[str, Padded]:

@@ -113,7 +113,7 @@ def compact_content(
         "env_seed": None if started.env_seed is None else int(started.env_seed),
         "agent_seed": started.action_space_seed,
         "nb_timestep_played": int(finished.nb_time_step),
-        "cumulative_reward": buffer.cum_reward64,
+        "cumulative_reward": finished.cum_reward64,
     }
     data = {
         "actions": arrays["actions"].map(lambda a: a.astype(np.float16)),
