@@ -960,3 +960,37 @@ def test_rewards_that_are_no_float32_sum_as_grid2op_sums_them(
             saved = [json.loads((p / meta).read_text()) for p in (ours_path, theirs_path)]
             assert saved[0]["cumulative_reward"] == saved[1]["cumulative_reward"]
     env.close()
+
+
+class FailsItsSecondEpisode(BaseAgent):  # type: ignore[misc]  # grid2op is untyped
+    """Raises at step 2 of the episode played with agent seed 1."""
+
+    seeded: int | None = None
+
+    def seed(self, seed: int) -> Any:
+        self.seeded = seed
+        return super().seed(seed)
+
+    def act(self, observation: Any, reward: float, done: bool = False) -> Any:
+        if self.seeded == 1 and observation.current_step == 2:
+            raise Refusal("no action at step 2", 2)
+        return self.action_space({})
+
+
+def test_one_failed_episode_of_two_processes_keeps_what_the_others_saved(
+    env: Any, tmp_path: Path
+) -> None:
+    """grid2op's Pool raises once every process is done: episodes 0 and 2 (the first process's)
+    are saved, and raise the failure of episode 1 (the second's) after them."""
+    kwargs: dict[str, Any] = dict(nb_process=2, max_iter=6, agent_seeds=[0, 1, 2, 3])
+    saved = {}
+    for make in (grid_runner, compat_runner):
+        path = tmp_path / make.__name__
+        with pytest.raises(Refusal):
+            quiet(make(env, agentClass=FailsItsSecondEpisode).run, 4, path_save=path, **kwargs)
+        saved[make] = {
+            p.parent.name: json.loads(p.read_text())["cumulative_reward"]
+            for p in path.glob("*/episode_meta.json")
+        }
+    assert set(saved[grid_runner]) == {"0000", "0002"}  # (and 0001's empty folder)
+    assert {k: saved[compat_runner][k] for k in saved[grid_runner]} == saved[grid_runner]

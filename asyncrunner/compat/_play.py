@@ -142,8 +142,16 @@ def call(
         session = Session()
         if keep:
             runner._ar_session = session
+    if nb_process > 1:
+        # grid2op's processes (episodes dealt round-robin) play on while one fails, and its
+        # Pool raises the first process's failure once all are done: what they save, is saved.
+        kwargs["on_error"] = "continue"
     try:
-        return session.run(core, kwargs)
+        results = session.run(core, kwargs)
+        failed = [(r.index % nb_process, r.index, r.error) for r in results if r.error]
+        if failed:
+            raise EpisodeError(min(failed)[2], [r for r in results if r.ok])
+        return results
     except EpisodeError as exc:
         original = _original(exc.failure)
         if original is None:
