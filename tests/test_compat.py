@@ -15,7 +15,7 @@ import shutil
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import anyio
 import grid2op
@@ -24,7 +24,7 @@ import pytest
 from grid2op.Agent import BaseAgent, DoNothingAgent
 from grid2op.Environment import MaskedEnvironment, TimedOutEnvironment
 from grid2op.Episode import CompactEpisodeData, EpisodeData
-from grid2op.Exceptions import Grid2OpException
+from grid2op.Exceptions import EnvError, Grid2OpException
 from grid2op.Reward import BaseReward, L2RPNReward, LinesCapacityReward
 from grid2op.Runner import Runner as GridRunner
 
@@ -599,16 +599,18 @@ def test_a_pbar_that_is_no_bar(runners: tuple[Any, compat.Runner], tmp_path: Pat
 
 def test_run_one_episode_matches_grid2op(env: Any) -> None:
     kwargs: dict[str, Any] = dict(max_iter=5, env_seed=3, agent_seed=4, add_nb_highres_sim=True)
+    theirs: dict[str, Any] = {"time serie id": 1, "init ts": 2}
     expected = grid2ops(
         grid_runner(env, agentClass=SampleAgent).run_one_episode,
-        reset_options={"time serie id": 1},
+        reset_options=theirs,
         detailed_output=True,
         **kwargs,
     )
     runner = compat_runner(env, agentClass=SampleAgent)
-    options = {"time serie id": 1}
+    options = {"time serie id": 1, "init ts": 2}
     result = runner.run_one_episode(reset_options=options, detailed_output=True, **kwargs)
-    assert options == {}  # grid2op takes the id out of the caller's dict
+    # grid2op takes the id out of the caller's dict, then writes what its episode played in it
+    assert options == theirs == {"time serie id": 1, "init ts": 2, "max step": 5}
     assert head([result]) == head([expected]) and result[1] == "0001"
     assert type(result[2]) is type(expected[2]) is np.float32
     assert result[6] == expected[6] == 0
@@ -617,6 +619,8 @@ def test_run_one_episode_matches_grid2op(env: Any) -> None:
     with pytest.warns(UserWarning, match="time serie id"):
         again = runner.run_one_episode(reset_options={"time serie id": 1}, episode_id=2, max_iter=3)
     assert len(again) == 5 and again[1] == "0002" and again[4] == 3  # max_ts: max_iter
+    with pytest.raises(EnvError, match="not an integer"):  # as grid2op's reset reads "max step"
+        runner.run_one_episode(max_iter=cast(Any, 2.5))
     runner.close()
 
 

@@ -80,6 +80,7 @@ from ._rules import (
     check_lengths,
     check_reset_options,
     ids_and_options,
+    max_step,
 )
 from ._session import Session
 
@@ -258,22 +259,34 @@ class Runner(_GridRunner):  # type: ignore[misc]  # grid2op is untyped (Any base
         elif reset_options is not None and KEY_TIME_SERIE_ID in reset_options:
             ep_id = int(reset_options[KEY_TIME_SERIE_ID])
             del reset_options[KEY_TIME_SERIE_ID]  # as grid2op does, in the caller's dict
-        (result,) = play(
-            self,
-            ids=[ep_id],
-            options=[reset_options],
-            nb_process=1,
-            path_save=path_save,
-            pbar=pbar,
-            env_seeds=[env_seed],
-            agent_seeds=[agent_seed],
-            max_iter=None if max_iter is None else int(max_iter),
-            init_states=[init_state],
-            detailed=detailed_output,
-            nb_highres=add_nb_highres_sim,
-            raw_reward=True,
-            sequential=False,
-        )
+        steps = None if max_iter is None else max_step(max_iter)
+        try:
+            (result,) = play(
+                self,
+                ids=[ep_id],
+                options=[reset_options],
+                nb_process=1,
+                path_save=path_save,
+                pbar=pbar,
+                env_seeds=[env_seed],
+                agent_seeds=[agent_seed],
+                max_iter=steps,
+                init_states=[init_state],
+                detailed=detailed_output,
+                nb_highres=add_nb_highres_sim,
+                raw_reward=True,
+                sequential=False,
+            )
+        finally:
+            if reset_options is not None:  # grid2op's episode writes them in the caller's dict
+                reset_options[KEY_TIME_SERIE_ID] = ep_id
+                if max_iter is not None:
+                    reset_options["max step"] = max_iter
+                if init_state is not None:
+                    reset_options["init state"] = init_state
+            state = (reset_options or {}).get("init state", init_state)
+            if isinstance(state, dict):
+                state.pop("method", None)  # grid2op's env.reset takes it out of the state's dict
         return result
 
     def _run_sequential(
