@@ -235,11 +235,13 @@ def test_agent_needing_more_than_the_action_space_is_refused(
         "    def act(self, observation, reward, done=False):\n"
         "        return self.action_space({})\n"
     )
-    _usage_error(
+    err = _usage_error(
         ["run", *SMALL, "--agent", f"{agent}:Needs"],
         "agent class Needs cannot be called with the env's action space alone",
         capsys,
     )
+    # What to do, on a command line: no Python expression to type.
+    assert "make_agent = functools.partial(MyAgent" in err and "--agent module:make_agent" in err
 
 
 @pytest.mark.parametrize(
@@ -821,3 +823,21 @@ def test_the_sigterm_handler_is_the_runs_only() -> None:
             assert pool.submit(run_until_stopped, answer()).result() == 42
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def test_two_versions_of_one_file_name_say_what_to_do(tmp_path: Path) -> None:
+    from asyncrunner._cli._common import UsageError, load_agent
+
+    stem = f"submission_{os.getpid()}"  # a name no other test loads
+    for version in ("v1", "v2"):
+        (tmp_path / version).mkdir()
+        (tmp_path / version / f"{stem}.py").write_text("from grid2op.Agent import DoNothingAgent\n")
+    try:
+        load_agent(f"{tmp_path / 'v1' / stem}.py:DoNothingAgent")
+        with pytest.raises(
+            UsageError, match=r"copy it under another name.*one command per version"
+        ):
+            load_agent(f"{tmp_path / 'v2' / stem}.py:DoNothingAgent")
+    finally:
+        sys.modules.pop(stem, None)
+        sys.path.remove(str(tmp_path / "v1"))

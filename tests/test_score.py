@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -315,12 +316,14 @@ def test_each_agent_gets_a_folder_of_its_own() -> None:
     assert _unique(["l2rpn_dn", "B", "B"], {"l2rpn_dn"}) == ["l2rpn_dn_2", "B", "B_2"]
 
 
-def test_a_central_agent_is_labelled_by_the_agent_it_holds(env: Any) -> None:
+def test_a_central_agent_or_a_partial_is_labelled_by_the_agent_it_makes(env: Any) -> None:
     from asyncrunner import CentralAgent
     from asyncrunner._score._grid2op import agent_label
 
     assert agent_label(CentralAgent(DoNothingAgent)) == "DoNothingAgent"
     assert agent_label(CentralAgent(RandomAgent(env.action_space))) == "RandomAgent"
+    # a functools.partial (an agent's constructor arguments bound): the class it makes
+    assert agent_label(functools.partial(RandomAgent, space_prng=None)) == "RandomAgent"
 
 
 class FailingAgent(BaseAgent):  # type: ignore[misc]  # grid2op is untyped

@@ -128,7 +128,7 @@ def derive_seeds(seed: int | None, nb: int) -> tuple[list[int] | None, list[int]
 
 def load_agent(spec: str) -> Any:
     """``module:Name``, ``path/to/file.py:Name``, or a name from ``grid2op.Agent``."""
-    from .._engine._recipe import agent_recipe
+    from .._engine._recipe import FACTORY_HINT, agent_recipe
 
     if ":" not in spec:
         import grid2op.Agent
@@ -152,7 +152,11 @@ def load_agent(spec: str) -> Any:
     try:
         agent_recipe(agent)  # the runner's own checks (a BaseAgent subclass, not abstract, ...)
     except TypeError as exc:
-        raise UsageError(f"--agent {spec!r}: {exc}") from None
+        hint = (
+            "bind the rest in your module, such as make_agent = functools.partial(MyAgent, "
+            "arg=...), and pass --agent module:make_agent"
+        )
+        raise UsageError(f"--agent {spec!r}: {str(exc).replace(FACTORY_HINT, hint)}") from None
     return agent
 
 
@@ -193,7 +197,9 @@ def _import_file(path: str) -> Any:
         os.path.join(folder, stem + ".py")
     ):
         raise UsageError(
-            f"--agent: {path!r} has the same name as the module {stem!r} already loaded; rename it"
+            f"--agent: {path!r} has the same name as the module {stem!r} already loaded (one "
+            "command loads one module of a name, its imports too): copy it under another name, "
+            "such as agent_v2.py, or run one command per version"
         )
     # Workers import the agent's module by name (pickle), and receive our sys.path when they start.
     sys.path.insert(0, folder)

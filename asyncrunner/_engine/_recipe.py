@@ -251,10 +251,14 @@ def _check_call(agent: Any, what: str) -> None:
     except TypeError as exc:
         raise TypeError(
             f"{what} cannot be called with the env's action space alone ({exc}), and each "
-            "episode builds its agent as agent(action_space): pass a factory that takes the "
-            "action space and gives the rest, such as functools.partial(MyAgent, arg=...) or "
-            "lambda action_space: MyAgent(action_space, ...)"
+            f"episode builds its agent as agent(action_space): {FACTORY_HINT}"
         ) from None
+
+
+FACTORY_HINT = (
+    "pass a factory that takes the action space and gives the rest, such as "
+    "functools.partial(MyAgent, arg=...) or lambda action_space: MyAgent(action_space, ...)"
+)
 
 
 def class_attributes(cls: type) -> dict[str, Any]:

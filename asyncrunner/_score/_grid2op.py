@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import hashlib
 import inspect
 import json
@@ -60,6 +61,8 @@ def agent_label(agent: Any) -> str:
 
     if isinstance(agent, CentralAgent):
         return agent_label(agent.agent)  # the agent it holds, as its saved episodes name it
+    if isinstance(agent, functools.partial):
+        return agent_label(agent.func)  # the class (or factory) it calls
     if isinstance(agent, type):
         return agent.__name__
     name = getattr(agent, "__name__", None)
