@@ -524,7 +524,7 @@ def test_a_second_run_in_the_same_folder_is_announced_and_shown_apart(
     assert first[0] == 0 and "earlier run" not in first[2]
     second = _main(["run", *SMALL[:4], "--max-iter", "3", "--save", runs], capsys)
     assert second[0] == 0
-    assert f"{runs} already holds 1 saved episodes of an earlier run" in second[2]
+    assert f"{runs} already holds 1 saved episode of an earlier run" in second[2]
     assert "--resume" in second[2]
     # grid2op still reads both.
     assert sorted(name for _, name in EpisodeData.list_episode(runs)) == ["0000", "0000_1"]
@@ -533,9 +533,9 @@ def test_a_second_run_in_the_same_folder_is_announced_and_shown_apart(
     assert code == 0
     lines = out.splitlines()
     assert lines[1].split()[:3] == ["0000", "0000", "5/5"]
-    assert lines[2].startswith("  run 1 (id ") and "1 episodes, 5 steps" in lines[2]
+    assert lines[2].startswith("  run 1 (id ") and "1 episode, 5 steps" in lines[2]
     assert lines[3].split()[:3] == ["0000_1", "0000", "3/3"]
-    assert lines[4].startswith("  run 2 (id ") and "1 episodes, 3 steps" in lines[4]
+    assert lines[4].startswith("  run 2 (id ") and "1 episode, 3 steps" in lines[4]
     assert lines[5].startswith("2 episodes, 8 steps") and "2 runs in this folder" in lines[5]
 
 
@@ -841,3 +841,19 @@ def test_two_versions_of_one_file_name_say_what_to_do(tmp_path: Path) -> None:
     finally:
         sys.modules.pop(stem, None)
         sys.path.remove(str(tmp_path / "v1"))
+
+
+def test_a_score_into_a_folder_of_an_earlier_one_says_so(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    episode = tmp_path / "scores" / "DoNothingAgent" / "0000"
+    episode.mkdir(parents=True)
+    (episode / "episode_meta.json").write_text("{}")
+    argv = ["score", "--agent", "DoNothingAgent", "--competition", "l2rpn_2020"]
+    argv += ["--save", str(tmp_path / "scores")]
+    code, _, err, _ = _main([*argv, "--nb-scenario", "99"], capsys)  # (refused: too many)
+    assert code == 2
+    assert f"asyncrunner score: {tmp_path / 'scores'} already holds 1 saved episode of an " in err
+    assert "--resume would play only the missing ones" in err
+    code, _, err, _ = _main([*argv, "--nb-scenario", "99", "--resume"], capsys)
+    assert code == 2 and "already holds" not in err

@@ -185,7 +185,9 @@ def run_command(args: argparse.Namespace, parser: Parser, argv: list[str]) -> in
         parser.error(str(exc))
     try:
         if args.save is not None and not args.resume:
-            _note_earlier_run(args.save)
+            from ._show import note_earlier_episodes
+
+            note_earlier_episodes(args.save, "run")
         try:
             results, elapsed, startup = run_until_stopped(settings.play())
         finally:
@@ -247,21 +249,6 @@ def _print_failures(failed: Sequence[EpisodeResult]) -> None:
         )
         if error.traceback:
             print(error.traceback.rstrip(), file=sys.stderr)
-
-
-def _note_earlier_run(save: str) -> None:
-    """Say when ``--save`` adds to a folder that already holds saved episodes."""
-    from ._show import episode_dirs
-
-    root = os.path.abspath(save)
-    earlier = episode_dirs(root) if os.path.isdir(root) else []
-    if earlier:
-        print(
-            f"asyncrunner: {save} already holds {len(earlier)} saved episodes of an earlier run; "
-            "this run saves its own beside them (a chronic already there goes to <name>_1, ...). "
-            "`asyncrunner show` tells the runs apart; --resume would play only the missing ones.",
-            file=sys.stderr,
-        )
 
 
 def _report_stopped(

@@ -143,6 +143,10 @@ def main(argv: Sequence[str]) -> int:
         parser.error(str(exc))
     from grid2op.Exceptions import Grid2OpException  # grid2op is loaded by now (the env)
 
+    if args.save is not None and not args.resume:
+        from ._show import note_earlier_episodes
+
+        note_earlier_episodes(args.save, "score")
     try:
         nb = args.nb_scenario
         seeds: tuple[Any, Any] = (None, None)

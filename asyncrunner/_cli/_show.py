@@ -89,6 +89,21 @@ def _saved_dirs(root: Path) -> list[Path]:
     return [episode for sub in subfolders for episode in episode_dirs(sub)]
 
 
+def note_earlier_episodes(save: str, prog: str) -> None:
+    """Say when ``--save`` adds to a folder that already holds saved episodes (a score's or a
+    multimix run's in its subfolders too)."""
+    root = Path(save).absolute()
+    earlier = _saved_dirs(root) if root.is_dir() else []
+    if earlier:
+        count = f"{len(earlier)} saved episode{'s' if len(earlier) != 1 else ''}"
+        print(
+            f"asyncrunner {prog}: {save} already holds {count} of an earlier {prog}; this one "
+            "saves its own beside them (a chronic already there goes to <name>_1, ...). "
+            "`asyncrunner show` tells the runs apart; --resume would play only the missing ones.",
+            file=sys.stderr,
+        )
+
+
 def _read_json(path: Path) -> Any:
     with path.open() as f:
         return json.load(f)
@@ -144,12 +159,22 @@ def _runs(episodes: Sequence[EpisodeSummary]) -> list[str | None]:
     return list(dict.fromkeys(e.run for e in episodes))
 
 
+def _run_names(runs: Sequence[str | None]) -> dict[str | None, str]:
+    """``run 1``, ``run 2``... for asyncrunner's runs in their order; what another tool saved
+    (grid2op's Runner: no run record) is named so."""
+    ours = [run for run in runs if run is not None]
+    names: dict[str | None, str] = {run: f"run {n}" for n, run in enumerate(ours, 1)}
+    names[None] = "saved by another tool"
+    return names
+
+
 def _totals(episodes: Sequence[EpisodeSummary]) -> str:
     played = sum(e.steps for e in episodes)
     over = sum(e.game_over for e in episodes)
     mean = sum(e.cum_reward for e in episodes) / len(episodes)
     return (
-        f"{len(episodes)} episodes, {played} steps, {over} game over, "
+        f"{len(episodes)} episode{'s' if len(episodes) != 1 else ''}, {played} steps, "
+        f"{over} game over, "
         f"mean cumulative reward {mean:.2f}"
     )
 
@@ -161,7 +186,8 @@ def _print_table(episodes: Sequence[EpisodeSummary]) -> None:
         f"{'agent time':>11}  game over"
     )
     runs = _runs(episodes)
-    for number, run in enumerate(runs, 1):
+    names = _run_names(runs)
+    for run in runs:
         mine = [e for e in episodes if e.run == run]
         for e in mine:
             steps = f"{e.steps}/{e.max_steps}"
@@ -171,7 +197,7 @@ def _print_table(episodes: Sequence[EpisodeSummary]) -> None:
                 f"{agent:>11}  {'yes' if e.game_over else 'no'}"
             )
         if len(runs) > 1:
-            name = f"run {number} (id {run})" if run is not None else "saved by another tool"
+            name = names[run] if run is None else f"{names[run]} (id {run})"
             print(f"  {name}: {_totals(mine)}")
     if len(runs) > 1:
         print(f"{_totals(episodes)} ({len(runs)} runs in this folder: see each above)")
@@ -195,9 +221,10 @@ def figure(root: Path, episodes: Sequence[EpisodeSummary]) -> Any:
     import matplotlib.pyplot as plt
 
     runs = _runs(episodes)
+    run_names = _run_names(runs)
 
     def label(e: EpisodeSummary) -> str:
-        return e.folder if len(runs) == 1 else f"{e.folder} (run {runs.index(e.run) + 1})"
+        return e.folder if len(runs) == 1 else f"{e.folder} ({run_names[e.run]})"
 
     fig, (survival, reward) = plt.subplots(1, 2, figsize=(13, 4.8))
     names = [label(e) for e in episodes]
