@@ -503,6 +503,60 @@ def test_the_cache_key_follows_the_env_files_and_the_played_chronics_files(
             touch(folder / name)
             assert set(_cache_entries(env, cache)).isdisjoint(edited), name
             edited = _cache_entries(env, cache)
+        # A chronic added (never played): grid2op signs the statistics with every chronic's
+        # name, and refused the entry's signature ("wrong hash value") for ever after.
+        shutil.copytree(folder / "chronics" / "0001", folder / "chronics" / "0001_copy")
+        assert set(_cache_entries(env, cache)).isdisjoint(edited)
+    finally:
+        env.close()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_scenarios_whose_names_sort_otherwise_than_played_score_as_grid2op(
+    tmp_path: Path,
+) -> None:
+    """FromMultiEpisodeData's 11 scenarios, ``chronics@0`` to ``chronics@10``: grid2op's class
+    scores them in the order of its statistics (names sorted: ``@10`` before ``@2``), each
+    against its own references; they were scored against another's. The episodes it replays
+    are files outside the env's folder: edited, the references are computed again."""
+    from grid2op.Chronics import FromMultiEpisodeData
+    from grid2op.Runner import Runner
+
+    base = env_copy("l2rpn_case14_sandbox", tmp_path)
+    source = tmp_path / "source"
+    grid2ops(
+        Runner(**base.get_params_for_runner(), agentClass=DoNothingAgent).run,
+        nb_episode=2, max_iter=6, path_save=str(source), env_seeds=[0, 1],
+    )  # fmt: skip
+    base.close()
+    episodes = EpisodeData.list_episode(str(source))
+    nb = 11
+    env = make_env(
+        str(tmp_path / "l2rpn_case14_sandbox"),
+        chronics_class=FromMultiEpisodeData,
+        data_feeding_kwargs={"li_ep_data": [episodes[i % 2] for i in range(nb)]},
+    )
+    kwargs: dict[str, Any] = dict(
+        nb_scenario=nb, max_step=4, env_seeds=list(range(nb)), agent_seeds=list(range(nb))
+    )
+    try:
+        scorer = grid2ops(grid2op.utils.ScoreL2RPN2020, env, **kwargs)
+        expected = grid2ops(scorer.get, RandomAgent(env.action_space))
+        cache = tmp_path / "cache"
+        (result,) = await asyncrunner.score(
+            env, RandomAgent, competition="l2rpn_2020", cache_dir=cache, **kwargs
+        )
+        assert result.as_grid2op() == expected
+        names = [scorer.stat_dn.get_metadata()[str(i)]["scenario_name"] for i in range(nb)]
+        assert [s.name for s in result.scenarios] == names and names[2] == "chronics@10"
+        for npz in (source / episodes[0][1]).glob("*.npz"):  # (os.utime: as an edit does)
+            info = npz.stat()
+            os.utime(npz, ns=(info.st_atime_ns, info.st_mtime_ns + 10**9))
+        (again,) = await asyncrunner.score(
+            env, RandomAgent, competition="l2rpn_2020", cache_dir=cache, **kwargs
+        )
+        assert not again.references_reused
     finally:
         env.close()
 

@@ -225,8 +225,10 @@ def _check_counts(
 def _played_data(env: Any, nb: int) -> dict[str, Any]:
     """What the references' statistics read from the env's files, for their cache key: the names
     of the scenarios played, in play order (the first ``nb`` of the env's, its chronics filter
-    applied, as the runners play them), and a fingerprint of the env's own files and of the
-    played chronics' files: each one's path, size and times (stats only: no file is read)."""
+    applied, as the runners play them), the names in its ``chronics`` folder (grid2op signs the
+    statistics with them), and a fingerprint of the env's own files, of the played chronics'
+    files and of those its chronics class was given elsewhere (``FromMultiEpisodeData``'s
+    episodes): each one's path, size and times (stats only: no file is read)."""
     real = getattr(env.chronics_handler, "real_data", None)
     names = chronic_names(env)
     folders: list[str] = []
@@ -250,13 +252,38 @@ def _played_data(env: Any, nb: int) -> dict[str, Any]:
         for entry in entries:
             if entry.is_file():
                 note(entry.path)
-    for folder in folders:
+    elsewhere = [
+        p for p in _paths_in(getattr(env.chronics_handler, "_kwargs", {})) if _outside(p, home)
+    ]
+    for folder in [*folders, *elsewhere]:
+        if os.path.isfile(folder):
+            note(folder)
         for top, dirs, found in os.walk(folder):
             dirs.sort()
             for name in sorted(found):
                 note(os.path.join(top, name))
     folders = [os.path.realpath(folder) for folder in folders]
-    return {"chronics": names, "folders": folders, "files": sorted(files)}
+    listed = os.path.join(home, "chronics")
+    listing = sorted(os.listdir(listed)) if os.path.isdir(listed) else None
+    return {"chronics": names, "folders": folders, "listed": listing, "files": sorted(files)}
+
+
+def _paths_in(value: Any) -> list[str]:
+    """The files and folders named in ``value`` (the chronics class's arguments, nested)."""
+    if isinstance(value, (str, os.PathLike)):
+        path = os.fspath(value)
+        return [path] if isinstance(path, str) and os.path.exists(path) else []
+    if isinstance(value, dict):
+        value = list(value.values())
+    if isinstance(value, (list, tuple)):
+        return [path for item in value for path in _paths_in(item)]
+    return []
+
+
+def _outside(path: str, home: str) -> bool:
+    """Whether ``path`` is outside the env's folder (whose files are fingerprinted otherwise)."""
+    real = os.path.realpath(path)
+    return os.path.commonpath([real, home]) != home
 
 
 def _stats_for(
@@ -472,16 +499,20 @@ def _locked(folder: str) -> Iterator[None]:
         os.close(fd)  # releases the lock
 
 
-def grid2op_scores(scorer: Any, episodes: Sequence[Any]) -> tuple[Any, ...]:
+def grid2op_scores(scorer: Any, episodes: Sequence[Any]) -> tuple[tuple[Any, ...], list[Any]]:
     """``get``'s loop over the scenarios, on the agent's saved episodes (grid2op reads the same
-    two files from the folders its Runner saves)."""
+    two files from the folders its Runner saves), and those episodes in its order: the
+    references' statistics' (their folders' names sorted: ``chronics@10`` before
+    ``chronics@2``), each agent episode the one saved in the folder of that name."""
     from grid2op.Episode import EpisodeData
 
     meta_dn = scorer.stat_dn.get_metadata()
     meta_rp = scorer.stat_no_overflow_rp.get_metadata()
+    by_folder = {os.path.basename(e.path): e for e in episodes}
+    ordered = [by_folder[meta_dn[str(i)]["scenario_name"]] for i in range(int(scorer.nb_scenario))]
     all_scores, ts_survived, total_ts = [], [], []
-    for ep_id in range(int(scorer.nb_scenario)):
-        folder = episodes[ep_id].path
+    for ep_id, episode in enumerate(ordered):
+        folder = episode.path
         with open(os.path.join(folder, EpisodeData.META_FILE), encoding="utf-8") as f:
             meta = json.load(f)
         with open(os.path.join(folder, EpisodeData.OTHER_REWARDS_FILE), encoding="utf-8") as f:
@@ -496,4 +527,4 @@ def grid2op_scores(scorer: Any, episodes: Sequence[Any]) -> tuple[Any, ...]:
         all_scores.append(value)
         ts_survived.append(survived)
         total_ts.append(total)
-    return all_scores, ts_survived, total_ts
+    return (all_scores, ts_survived, total_ts), ordered

@@ -183,9 +183,9 @@ async def _play_and_score(
         setattr(scorer, ref.attr, ref.stats)
     scored = []
     for label, episodes in zip(plan.labels, results[len(plan.todo) :], strict=True):
-        raw = await anyio.to_thread.run_sync(grid2op_scores, scorer, episodes)
+        raw, ordered = await anyio.to_thread.run_sync(grid2op_scores, scorer, episodes)
         path = None if plan.tmp is not None else os.path.join(plan.root, label)
-        scored.append(_result(label, competition, raw, episodes, reused=not plan.todo, path=path))
+        scored.append(_result(label, competition, raw, ordered, reused=not plan.todo, path=path))
     return scored
 
 
