@@ -857,3 +857,15 @@ def test_a_score_into_a_folder_of_an_earlier_one_says_so(
     assert "--resume would play only the missing ones" in err
     code, _, err, _ = _main([*argv, "--nb-scenario", "99", "--resume"], capsys)
     assert code == 2 and "already holds" not in err
+
+
+def test_the_score_plot_shows_scores_below_minus_100() -> None:
+    pytest.importorskip("matplotlib")
+    from asyncrunner._cli._score import figure
+    from asyncrunner._score._scoring import ScenarioScore, ScoreResult
+
+    # l2rpn_2023's assistant part takes a scenario's score down to -150: its bar was cut.
+    scenario = ScenarioScore("0000", -150.0, {}, steps_survived=1, total_steps=10)
+    result = ScoreResult("Agent", "l2rpn_2023", (scenario,), False, None, ())
+    scores = figure([result]).axes[0]
+    assert scores.get_ylim()[0] < -150 and scores.get_ylim()[1] >= 100

@@ -264,8 +264,10 @@ def figure(results: Sequence[ScoreResult]) -> Any:
         scores.bar_label(bars, fmt="%.1f", fontsize="x-small", padding=2)
         survival.bar(x + offset, [s.steps_survived for s in r.scenarios], width, label=r.agent)
     scores.axhline(0, color="grey", linewidth=0.8)
-    # grid2op's scores range from -100 (game over at once) to 100; 0 is DoNothing's.
-    scores.set_ylim(-110, 110)
+    # grid2op's scores range from -100 (game over at once) to 100, 0 being DoNothing's; some
+    # competitions' go lower (icaps_2021's alarm part, l2rpn_2023's assistant part: to -150).
+    lowest = min([-100.0, *(s.score for r in results for s in r.scenarios)])
+    scores.set_ylim(1.1 * lowest, 110)
     scores.set(xlabel="scenario", ylabel="score", title=f"Score ({results[0].competition})")
     survival.set_ylim(0, 1.1 * max(lengths))
     survival.set(xlabel="scenario", ylabel="steps survived", title="Survival")
