@@ -265,6 +265,51 @@ async def test_killed_worker_is_replaced_and_episode_retried(env: Any) -> None:
     await wait_no_children(before)
 
 
+class _PoolOfItsOwn(DoNothingAgent):  # type: ignore[misc]  # grid2op is untyped
+    """Plays with a process pool of its own (forked by its worker, as an agent may to evaluate
+    candidates at once), and writes each pool process's pid in ``pids``."""
+
+    pids: ClassVar[str] = ""
+    pool: ClassVar[ProcessPoolExecutor | None] = None
+
+    def act(self, observation: Any, reward: float, done: bool = False) -> Any:
+        if _PoolOfItsOwn.pool is None:
+            _PoolOfItsOwn.pool = ProcessPoolExecutor(
+                1, mp_context=multiprocessing.get_context("fork")
+            )
+            with open(self.pids, "a") as f:
+                f.write(f"{_PoolOfItsOwn.pool.submit(os.getpid).result()}\n")
+        time.sleep(0.02)  # (the episode still plays when its first steps reach the test)
+        return super().act(observation, reward, done)
+
+
+async def test_a_worker_killed_from_outside_while_its_agent_has_a_pool_is_replaced(
+    env: Any, tmp_path: Any
+) -> None:
+    # The pool's process held the worker's socket: the worker's death (the OOM killer) went
+    # unseen and run() waited for ever; the pool's process then outlived the runner.
+    _PoolOfItsOwn.pids = str(tmp_path / "pids")
+    killed: list[int] = []
+
+    def kill_mid_episode(event: Any) -> None:
+        if isinstance(event, EpisodeStarted) and not killed:
+            killed.append(event.worker)
+        elif isinstance(event, StepBatch) and len(killed) == 1:
+            os.kill(killed[0], signal.SIGKILL)
+            killed.append(0)
+
+    async with AsyncRunner(env, agent=_PoolOfItsOwn, workers=1) as runner:
+        with anyio.fail_after(60):
+            results = await runner.run(
+                1, max_iter=30, env_seeds=[0], sinks=[CallbackSink(kill_mid_episode)]
+            )
+    assert len(killed) == 2
+    assert [(r.nb_time_step, r.error) for r in results] == [(30, None)]
+    pools = [int(pid) for pid in (tmp_path / "pids").read_text().split()]
+    assert len(pools) == 2  # the dead worker's agent's, and its replacement's
+    await wait_dead(pools)
+
+
 async def test_a_worker_dead_while_idle_is_replaced_before_its_next_episode(env: Any) -> None:
     # Killed between runs (the OOM killer): its next episode must not fail, nor use up a retry,
     # for a death that came before it started.

@@ -40,6 +40,7 @@ import struct
 import sys
 import tempfile
 import threading
+import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
@@ -155,6 +156,18 @@ class _Local(threading.local):
     connection: _WorkerConnection | None = None
 
 
+# This worker's sockets to the runner (its channel connections, its pool's socket): a process
+# its agent forks (a pool of its own) closes its copies (``close_inherited``), or the runner
+# would not see this worker's end (the OOM killer's) while that process lives.
+WORKER_SOCKETS: weakref.WeakSet[socket.socket] = weakref.WeakSet()
+
+
+def close_inherited() -> None:
+    """In a process forked by a worker's agent: close the worker's sockets it inherited."""
+    for sock in list(WORKER_SOCKETS):
+        sock.close()
+
+
 _local = _Local()
 
 
@@ -186,6 +199,7 @@ def connect(address: str, token: str) -> Callable[..., None]:
             )
             raise ChannelClosed(f"cannot reach the runner at {address}: {exc}{hint}") from exc
         _connection = _local.connection = _WorkerConnection((address, sock))
+        WORKER_SOCKETS.add(sock)
     sock = _connection[1]
 
     def send(*events: Any) -> None:

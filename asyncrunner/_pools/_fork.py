@@ -41,7 +41,13 @@ import anyio.lowlevel
 import anyio.to_thread
 from anyio import BrokenWorkerProcess
 
-from .._engine._channel import AsyncSocket, frame, receive_frame
+from .._engine._channel import (
+    WORKER_SOCKETS,
+    AsyncSocket,
+    close_inherited,
+    frame,
+    receive_frame,
+)
 from .._engine._envs import exclusive
 from .._engine._pool import STOP_GRACE, WorkerPool
 from .._quiet import programs_filters, quiet
@@ -107,10 +113,39 @@ def _serve(
             os.close(fd)
         except OSError:
             pass
+    # The parent sees this worker end when its socket closes: not while a process the agent
+    # forked holds a copy of it (a ProcessPoolExecutor of its own), which outlived a worker
+    # killed from outside (the OOM killer): the run waited for ever.
+    WORKER_SOCKETS.add(sock)
+    os.register_at_fork(before=_agent_forks, after_in_child=functools.partial(_agents_child, prctl))
     try:
         _answer(sock)
     finally:
         _end_children()
+
+
+# Whether the thread forking now is its process's main thread, and that process (``_agent_forks``).
+_from_main = False
+_forking_pid = 0
+
+
+def _agent_forks() -> None:
+    global _from_main, _forking_pid
+    _from_main = threading.current_thread() is threading.main_thread()
+    _forking_pid = os.getpid()
+
+
+def _agents_child(prctl: Callable[..., int]) -> None:
+    """In a process a worker's agent forks (and those it forks): hold none of the worker's
+    sockets (``close_inherited``), and end with the process that forked it, when forked by its
+    main thread (another thread's child would end with that thread): a worker killed from
+    outside left its agent's pool running for ever. (What the agent starts with ``subprocess``
+    runs no Python here: killed with the worker when its runner stops it, not otherwise.)"""
+    close_inherited()
+    if _from_main:
+        prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+        if os.getppid() != _forking_pid:  # it ended already
+            os._exit(1)
 
 
 def _answer(sock: socket.socket) -> None:
