@@ -503,13 +503,14 @@ def grid2op_scores(scorer: Any, episodes: Sequence[Any]) -> tuple[tuple[Any, ...
     """``get``'s loop over the scenarios, on the agent's saved episodes (grid2op reads the same
     two files from the folders its Runner saves), and those episodes in its order: the
     references' statistics' (their folders' names sorted: ``chronics@10`` before
-    ``chronics@2``), each agent episode the one saved in the folder of that name."""
+    ``chronics@2``), each agent episode the one of that chronic (grid2op's Runner saves it in
+    the folder of its name; here an earlier score's in the same folder makes it ``<name>_1``)."""
     from grid2op.Episode import EpisodeData
 
     meta_dn = scorer.stat_dn.get_metadata()
     meta_rp = scorer.stat_no_overflow_rp.get_metadata()
-    by_folder = {os.path.basename(e.path): e for e in episodes}
-    ordered = [by_folder[meta_dn[str(i)]["scenario_name"]] for i in range(int(scorer.nb_scenario))]
+    by_name = {e.name: e for e in episodes}
+    ordered = [by_name[meta_dn[str(i)]["scenario_name"]] for i in range(int(scorer.nb_scenario))]
     all_scores, ts_survived, total_ts = [], [], []
     for ep_id, episode in enumerate(ordered):
         folder = episode.path
