@@ -998,3 +998,34 @@ def test_one_failed_episode_of_two_processes_keeps_what_the_others_saved(
         }
     assert set(saved[grid_runner]) == {"0000", "0002"}  # (and 0001's empty folder)
     assert {k: saved[compat_runner][k] for k in saved[grid_runner]} == saved[grid_runner]
+
+
+@pytest.mark.parametrize("nb_process", [1, 2])
+def test_an_init_state_method_is_read_as_grid2op_reads_it(tmp_path: Path, nb_process: int) -> None:
+    """grid2op's env.reset deletes "method" from the init state dict it is given: episodes of a
+    process sharing that dict reset with "combine" after the first (this chronic's own initial
+    state then disconnects a second line)."""
+    folder = tmp_path / "env"
+    shutil.copytree(GRID2OP_DATA / "l2rpn_case14_sandbox", folder)
+    (folder / "chronics" / "0000" / "init_state.json").write_text(
+        json.dumps({"set_line_status": [["1_2_2", -1]]})
+    )
+    env = make_env(str(folder))
+    kwargs: dict[str, Any] = dict(
+        nb_episode=4, nb_process=nb_process, max_iter=8, env_seeds=[0] * 4, episode_id=[0] * 4
+    )
+    try:
+        played = []
+        for make in (grid_runner, compat_runner):
+            state = {"set_line_status": [(0, -1)], "method": "ignore"}
+            results = quiet(
+                make(env, agentClass=DoNothingAgent).run,
+                reset_options={"init state": state},
+                **kwargs,
+            )
+            played.append((sorted(r[2] for r in results), state))
+    finally:
+        env.close()
+    assert played[1] == played[0]
+    assert len(set(played[0][0])) == 2  # the two methods' rewards
+    assert ("method" in played[0][1]) is (nb_process > 1)  # the caller's dict, with one process

@@ -154,6 +154,36 @@ def ids_and_options(
     return ids, options
 
 
+def methods_taken(
+    init_states: list[Any], options: list[dict[str, Any] | None], nb_process: int
+) -> list[dict[str, Any]]:
+    """grid2op's ``env.reset`` deletes ``"method"`` from the init state dict it is given: where
+    its Runner gives several episodes one dict (``reset_options={"init state": {...}}`` given
+    once, a dict listed twice in ``init_states``), those a process plays after the first reset
+    with the default, ``"combine"`` (its processes get the episodes round-robin). So do they
+    here: each gets a copy without it (``init_states`` or ``options`` changed in place).
+    Returns the dicts grid2op takes it from (the caller's own with one process)."""
+    seen: set[tuple[int, int]] = set()
+    taken: list[dict[str, Any]] = []
+    for i, option in enumerate(options):
+        state = init_states[i]
+        if state is None and option is not None:
+            state = option.get("init state")
+        if not isinstance(state, dict) or "method" not in state:
+            continue
+        key = (i % nb_process, id(state))
+        if key not in seen:
+            seen.add(key)
+            taken.append(state)
+            continue
+        bare = {k: v for k, v in state.items() if k != "method"}
+        if init_states[i] is not None:
+            init_states[i] = bare
+        else:
+            options[i] = {**(option or {}), "init state": bare}
+    return taken
+
+
 def reset_options_for_core(
     options: list[dict[str, Any] | None], max_iter: int | None, init_states: list[Any]
 ) -> list[dict[str, Any] | None]:

@@ -81,6 +81,7 @@ from ._rules import (
     check_reset_options,
     ids_and_options,
     max_step,
+    methods_taken,
 )
 from ._session import Session
 
@@ -401,22 +402,29 @@ class Runner(_GridRunner):  # type: ignore[misc]  # grid2op is untyped (Any base
         if isinstance(init_states, (dict, BaseAction)):
             init_states = [init_states.copy() for _ in range(nb_episode)]
         ids, options = ids_and_options(nb_episode, episode_id, reset_options)
-        return play(
-            self,
-            ids=ids,
-            options=options,
-            nb_process=int(nb_process),
-            path_save=path_save,
-            pbar=pbar if nb_process == 1 else False,  # (grid2op's parallel runs draw no bar)
-            env_seeds=[None] * nb_episode if env_seeds is None else list(env_seeds),
-            agent_seeds=[None] * nb_episode if agent_seeds is None else list(agent_seeds),
-            max_iter=max_iter,
-            init_states=[None] * nb_episode if init_states is None else list(init_states),
-            detailed=add_detailed_output,
-            nb_highres=add_nb_highres_sim,
-            raw_reward=False,
-            sequential=nb_process == 1,
-        )
+        states = [None] * nb_episode if init_states is None else list(init_states)
+        taken = methods_taken(states, options, int(nb_process))
+        try:
+            return play(
+                self,
+                ids=ids,
+                options=options,
+                nb_process=int(nb_process),
+                path_save=path_save,
+                pbar=pbar if nb_process == 1 else False,  # (grid2op's parallel runs draw no bar)
+                env_seeds=[None] * nb_episode if env_seeds is None else list(env_seeds),
+                agent_seeds=[None] * nb_episode if agent_seeds is None else list(agent_seeds),
+                max_iter=max_iter,
+                init_states=states,
+                detailed=add_detailed_output,
+                nb_highres=add_nb_highres_sim,
+                raw_reward=False,
+                sequential=nb_process == 1,
+            )
+        finally:
+            if nb_process == 1:  # grid2op's processes take it out of their own copies
+                for state in taken:
+                    state.pop("method", None)
 
     def _ar_call(
         self, nb_process: int, nb_episode: int, kwargs: dict[str, Any]
