@@ -12,6 +12,7 @@ import logging
 import multiprocessing
 import os
 import shutil
+import time
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -866,6 +867,7 @@ def test_runners_of_two_threads_fork_workers_that_start_sound(tmp_path: Path) ->
 
 
 MAIN_ERROR_SCRIPT = """
+import time
 import warnings
 warnings.simplefilter("ignore")
 from grid2op.Agent import BaseAgent
@@ -1029,3 +1031,33 @@ def test_an_init_state_method_is_read_as_grid2op_reads_it(tmp_path: Path, nb_pro
     assert played[1] == played[0]
     assert len(set(played[0][0])) == 2  # the two methods' rewards
     assert ("method" in played[0][1]) is (nb_process > 1)  # the caller's dict, with one process
+
+
+class FailsAtItsSeedsStep(BaseAgent):  # type: ignore[misc]  # grid2op is untyped
+    """Raises at the step its agent seed says (a step every 20 ms)."""
+
+    seeded = 0
+
+    def seed(self, seed: int) -> Any:
+        self.seeded = seed
+        return super().seed(seed)
+
+    def act(self, observation: Any, reward: float, done: bool = False) -> Any:
+        time.sleep(0.02)
+        if observation.current_step == self.seeded:
+            raise Refusal(f"no action at step {self.seeded}", self.seeded)
+        return self.action_space({})
+
+
+def test_of_failures_in_two_processes_the_first_to_come_is_raised(env: Any) -> None:
+    """grid2op's Pool keeps the exception that came first: episode 1's (at its step 1), not
+    episode 0's (at its step 15)."""
+    raised = []
+    for make in (grid_runner, compat_runner):
+        with pytest.raises(Refusal) as info:
+            quiet(
+                make(env, agentClass=FailsAtItsSeedsStep).run,
+                2, nb_process=2, max_iter=30, agent_seeds=[15, 1],
+            )  # fmt: skip
+        raised.append(info.value.args)
+    assert raised[1] == raised[0] == ("no action at step 1", 1)

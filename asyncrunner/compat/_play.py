@@ -23,7 +23,7 @@ from ._rules import (
     reset_options_for_core,
 )
 from ._session import AgentClass, AgentCopies, EnvView, Session
-from ._sinks import EpisodeLog, ReplacingCompactWriter, ReplacingWriter, Sums
+from ._sinks import EpisodeLog, Failures, ReplacingCompactWriter, ReplacingWriter, Sums
 
 __all__ = ["call", "play"]
 
@@ -142,15 +142,22 @@ def call(
         session = Session()
         if keep:
             runner._ar_session = session
+    failures = Failures()
     if nb_process > 1:
-        # grid2op's processes (episodes dealt round-robin) play on while one fails, and its
-        # Pool raises the first process's failure once all are done: what they save, is saved.
+        # grid2op's processes (episodes dealt round-robin) play on while one fails (each stops
+        # at its first), and its Pool raises the failure that came first once all are done:
+        # what they save, is saved.
         kwargs["on_error"] = "continue"
+        kwargs["sinks"] = [*kwargs.get("sinks", ()), failures]
     try:
         results = session.run(core, kwargs)
-        failed = [(r.index % nb_process, r.index, r.error) for r in results if r.error]
-        if failed:
-            raise EpisodeError(min(failed)[2], [r for r in results if r.ok])
+        firsts: dict[int, EpisodeFailed] = {}  # each process's first failure
+        for r in results:
+            if r.error is not None:
+                firsts.setdefault(r.index % nb_process, r.error)
+        if firsts:
+            first = min(firsts.values(), key=lambda f: failures.order.get(f.index, 0))
+            raise EpisodeError(first, [r for r in results if r.ok])
         return results
     except EpisodeError as exc:
         original = _original(exc.failure)

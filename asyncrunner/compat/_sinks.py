@@ -6,12 +6,12 @@ import logging
 import os
 import secrets
 
-from .._model import EpisodeFinished, Event
+from .._model import EpisodeFailed, EpisodeFinished, Event
 from .._plan._layout import sync
 from ..sinks import CompactEpisodeWriter, EpisodeDataWriter
 from ..sinks._base import Sink
 
-__all__ = ["EpisodeLog", "ReplacingCompactWriter", "ReplacingWriter", "Sums"]
+__all__ = ["EpisodeLog", "Failures", "ReplacingCompactWriter", "ReplacingWriter", "Sums"]
 
 
 class ReplacingWriter(EpisodeDataWriter):
@@ -112,6 +112,19 @@ class Sums(Sink):
     async def send(self, event: Event) -> None:
         if isinstance(event, EpisodeFinished):
             self.sums[event.index] = (event.cum_reward_type, event.cum_reward64)
+
+
+class Failures(Sink):
+    """The order in which the episodes failed (for good: not a dead worker's retried attempt)."""
+
+    needs_steps = False
+
+    def __init__(self) -> None:
+        self.order: dict[int, int] = {}
+
+    async def send(self, event: Event) -> None:
+        if isinstance(event, EpisodeFailed) and not event.retrying:
+            self.order.setdefault(event.index, len(self.order))
 
 
 class EpisodeLog(Sink):
