@@ -310,6 +310,39 @@ async def test_a_worker_killed_from_outside_while_its_agent_has_a_pool_is_replac
     await wait_dead(pools)
 
 
+class _StartsADaemon(DoNothingAgent):  # type: ignore[misc]  # grid2op is untyped
+    """Starts a helper the classic way at its first step (fork, setsid, fork, the middle process
+    exits): the helper writes ``done`` 0.3 s later."""
+
+    done: ClassVar[str] = ""
+    started: ClassVar[bool] = False
+
+    def act(self, observation: Any, reward: float, done: bool = False) -> Any:
+        if not _StartsADaemon.started:
+            _StartsADaemon.started = True
+            middle = os.fork()
+            if middle == 0:
+                os.setsid()
+                if os.fork() == 0:
+                    time.sleep(0.3)
+                    open(self.done, "w").close()
+                os._exit(0)
+            os.waitpid(middle, 0)
+        return super().act(observation, reward, done)
+
+
+async def test_a_helper_an_agent_daemonises_lives_on_as_in_grid2op(env: Any, tmp_path: Any) -> None:
+    # Processes an agent forks end with the worker (above): the helper, whose parent ended at
+    # once, was killed with it.
+    _StartsADaemon.done = str(tmp_path / "done")
+    async with AsyncRunner(env, agent=_StartsADaemon, workers=1) as runner:
+        (result,) = await runner.run(1, max_iter=3)
+        with anyio.fail_after(10):
+            while not await anyio.Path(_StartsADaemon.done).exists():  # noqa: ASYNC110 - another process's file
+                await anyio.sleep(0.05)
+    assert result.ok
+
+
 async def test_a_worker_dead_while_idle_is_replaced_before_its_next_episode(env: Any) -> None:
     # Killed between runs (the OOM killer): its next episode must not fail, nor use up a retry,
     # for a death that came before it started.

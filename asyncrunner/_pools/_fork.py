@@ -116,35 +116,32 @@ def _serve(
     # The parent sees this worker end when its socket closes: not while a process the agent
     # forked holds a copy of it (a ProcessPoolExecutor of its own), which outlived a worker
     # killed from outside (the OOM killer): the run waited for ever.
+    global _worker_pid, _worker_thread
+    _worker_pid, _worker_thread = os.getpid(), threading.get_ident()
     WORKER_SOCKETS.add(sock)
-    os.register_at_fork(before=_agent_forks, after_in_child=functools.partial(_agents_child, prctl))
+    os.register_at_fork(after_in_child=functools.partial(_agents_child, prctl))
     try:
         _answer(sock)
     finally:
         _end_children()
 
 
-# Whether the thread forking now is its process's main thread, and that process (``_agent_forks``).
-_from_main = False
-_forking_pid = 0
-
-
-def _agent_forks() -> None:
-    global _from_main, _forking_pid
-    _from_main = threading.current_thread() is threading.main_thread()
-    _forking_pid = os.getpid()
+# This worker's pid and main thread (a child keeps the ident of the thread that forked it).
+_worker_pid = 0
+_worker_thread = 0
 
 
 def _agents_child(prctl: Callable[..., int]) -> None:
     """In a process a worker's agent forks (and those it forks): hold none of the worker's
-    sockets (``close_inherited``), and end with the process that forked it, when forked by its
-    main thread (another thread's child would end with that thread): a worker killed from
-    outside left its agent's pool running for ever. (What the agent starts with ``subprocess``
-    runs no Python here: killed with the worker when its runner stops it, not otherwise.)"""
+    sockets (``close_inherited``); forked by the worker's main thread (another thread's child
+    would end with that thread), end with the worker: a worker killed from outside left its
+    agent's pool running for ever. (What those processes fork, a daemon's double fork, lives
+    on as it would in grid2op's Runner; what the agent starts with ``subprocess`` runs no
+    Python here: killed with the worker when its runner stops it, not otherwise.)"""
     close_inherited()
-    if _from_main:
+    if os.getppid() == _worker_pid and threading.get_ident() == _worker_thread:
         prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-        if os.getppid() != _forking_pid:  # it ended already
+        if os.getppid() != _worker_pid:  # it ended meanwhile
             os._exit(1)
 
 

@@ -260,8 +260,8 @@ class Runner(_GridRunner):  # type: ignore[misc]  # grid2op is untyped (Any base
         elif reset_options is not None and KEY_TIME_SERIE_ID in reset_options:
             ep_id = int(reset_options[KEY_TIME_SERIE_ID])
             del reset_options[KEY_TIME_SERIE_ID]  # as grid2op does, in the caller's dict
-        steps = None if max_iter is None else max_step(max_iter)
         try:
+            steps = None if max_iter is None else max_step(max_iter)  # (the dict written too)
             (result,) = play(
                 self,
                 ids=[ep_id],
