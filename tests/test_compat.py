@@ -1061,3 +1061,39 @@ def test_of_failures_in_two_processes_the_first_to_come_is_raised(env: Any) -> N
             )  # fmt: skip
         raised.append(info.value.args)
     assert raised[1] == raised[0] == ("no action at step 1", 1)
+
+
+def test_a_failed_sequential_run_leaves_the_method_of_states_never_reset(env: Any) -> None:
+    """grid2op deletes an init state's "method" as its env resets with it: not for the episodes
+    after a failed one, which it never plays."""
+    kept = []
+    for make in (grid_runner, compat_runner):
+        first, second = (
+            {"set_line_status": [(0, -1)]},
+            {"set_line_status": [(3, -1)], "method": "ignore"},
+        )
+        with pytest.raises(Refusal):
+            quiet(
+                make(env, agentClass=FailsItsSecondEpisode).run,
+                2, max_iter=5, agent_seeds=[1, 0], init_states=[first, second],
+            )  # fmt: skip
+        kept.append(second)
+    assert kept[1] == kept[0] == {"set_line_status": [(3, -1)], "method": "ignore"}
+
+
+def test_an_episode_failed_before_a_save_did_is_raised_as_in_grid2op(
+    env: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two processes: episode 0's agent fails at once, the saving of episode 1 later (a full
+    disk): grid2op's Pool raises the failure that came first."""
+    place = ReplacingWriter._move_into_place
+
+    def full_disk_for_0001(self: Any, folder: Any, name: str) -> Any:
+        if name == "0001":
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return place(self, folder, name)
+
+    monkeypatch.setattr(ReplacingWriter, "_move_into_place", full_disk_for_0001)
+    runner = compat_runner(env, agentClass=FailsAtItsSeedsStep)
+    with pytest.raises(Refusal, match="no action at step 1"):
+        quiet(runner.run, 2, nb_process=2, max_iter=8, agent_seeds=[1, 30], path_save=tmp_path)

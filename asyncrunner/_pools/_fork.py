@@ -119,16 +119,22 @@ def _serve(
     global _worker_pid, _worker_thread
     _worker_pid, _worker_thread = os.getpid(), threading.get_ident()
     WORKER_SOCKETS.add(sock)
-    os.register_at_fork(after_in_child=functools.partial(_agents_child, prctl))
+    os.register_at_fork(before=_agent_forks, after_in_child=functools.partial(_agents_child, prctl))
     try:
         _answer(sock)
     finally:
         _end_children()
 
 
-# This worker's pid and main thread (a child keeps the ident of the thread that forked it).
+# This worker's pid and main thread (a child keeps the ident of the thread that forked it), and
+# the process a fork under way is made from (``_forking``: each thread's own).
 _worker_pid = 0
 _worker_thread = 0
+_forking = threading.local()
+
+
+def _agent_forks() -> None:
+    _forking.pid = os.getpid()
 
 
 def _agents_child(prctl: Callable[..., int]) -> None:
@@ -139,9 +145,9 @@ def _agents_child(prctl: Callable[..., int]) -> None:
     on as it would in grid2op's Runner; what the agent starts with ``subprocess`` runs no
     Python here: killed with the worker when its runner stops it, not otherwise.)"""
     close_inherited()
-    if os.getppid() == _worker_pid and threading.get_ident() == _worker_thread:
+    if getattr(_forking, "pid", 0) == _worker_pid and threading.get_ident() == _worker_thread:
         prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-        if os.getppid() != _worker_pid:  # it ended meanwhile
+        if os.getppid() != _worker_pid:  # it ended since the fork
             os._exit(1)
 
 

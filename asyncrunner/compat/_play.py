@@ -165,6 +165,12 @@ def call(
             raise
         raise original from exc  # as multiprocessing raises a worker's, its traceback the cause
     except SinkError as exc:
+        if failures.events:  # an episode failed before saving did: grid2op's Pool raises that
+            error = EpisodeError(failures.events[0], exc.results)
+            original = _original(failures.events[0])
+            if original is None:
+                raise error from exc
+            raise original from error
         # Saving failed (a full disk...): grid2op's Runner raises what its writing raised.
         cause = exc.__cause__
         if not isinstance(cause, Exception):

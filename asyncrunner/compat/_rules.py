@@ -156,15 +156,16 @@ def ids_and_options(
 
 def methods_taken(
     init_states: list[Any], options: list[dict[str, Any] | None], nb_process: int
-) -> list[dict[str, Any]]:
+) -> list[tuple[int, dict[str, Any]]]:
     """grid2op's ``env.reset`` deletes ``"method"`` from the init state dict it is given: where
     its Runner gives several episodes one dict (``reset_options={"init state": {...}}`` given
     once, a dict listed twice in ``init_states``), those a process plays after the first reset
     with the default, ``"combine"`` (its processes get the episodes round-robin). So do they
     here: each gets a copy without it (``init_states`` or ``options`` changed in place).
-    Returns the dicts grid2op takes it from (the caller's own with one process)."""
+    Returns the dicts grid2op takes it from, with the episode that does (the caller's own with
+    one process)."""
     seen: set[tuple[int, int]] = set()
-    taken: list[dict[str, Any]] = []
+    taken: list[tuple[int, dict[str, Any]]] = []
     for i, option in enumerate(options):
         state = init_states[i]
         if state is None and option is not None:
@@ -174,7 +175,7 @@ def methods_taken(
         key = (i % nb_process, id(state))
         if key not in seen:
             seen.add(key)
-            taken.append(state)
+            taken.append((i, state))
             continue
         bare = {k: v for k, v in state.items() if k != "method"}
         if init_states[i] is not None:

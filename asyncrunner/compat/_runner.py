@@ -71,6 +71,7 @@ from grid2op.Runner import Runner as _GridRunner
 from .._engine._envs import disown, exclusive
 from .._engine._parsed import parsing_once
 from .._engine._recipe import dumps, env_key
+from .._exceptions import EpisodeError
 from .._model import EpisodeResult
 from .._quiet import quiet
 from ._play import call, env_view, play
@@ -404,6 +405,7 @@ class Runner(_GridRunner):  # type: ignore[misc]  # grid2op is untyped (Any base
         ids, options = ids_and_options(nb_episode, episode_id, reset_options)
         states = [None] * nb_episode if init_states is None else list(init_states)
         taken = methods_taken(states, options, int(nb_process))
+        reached = nb_episode  # the episodes reset: with one process, up to a failed one
         try:
             return play(
                 self,
@@ -421,10 +423,15 @@ class Runner(_GridRunner):  # type: ignore[misc]  # grid2op is untyped (Any base
                 raw_reward=False,
                 sequential=nb_process == 1,
             )
+        except BaseException as exc:
+            failed = exc if isinstance(exc, EpisodeError) else exc.__cause__
+            reached = failed.failure.index + 1 if isinstance(failed, EpisodeError) else 0
+            raise
         finally:
             if nb_process == 1:  # grid2op's processes take it out of their own copies
-                for state in taken:
-                    state.pop("method", None)
+                for i, state in taken:
+                    if i < reached:
+                        state.pop("method", None)
 
     def _ar_call(
         self, nb_process: int, nb_episode: int, kwargs: dict[str, Any]

@@ -115,16 +115,18 @@ class Sums(Sink):
 
 
 class Failures(Sink):
-    """The order in which the episodes failed (for good: not a dead worker's retried attempt)."""
+    """The episodes' failures (for good: not a dead worker's retried attempt), as they came."""
 
     needs_steps = False
 
     def __init__(self) -> None:
-        self.order: dict[int, int] = {}
+        self.events: list[EpisodeFailed] = []
+        self.order: dict[int, int] = {}  # by episode
 
     async def send(self, event: Event) -> None:
         if isinstance(event, EpisodeFailed) and not event.retrying:
-            self.order.setdefault(event.index, len(self.order))
+            self.order.setdefault(event.index, len(self.events))
+            self.events.append(event)
 
 
 class EpisodeLog(Sink):
