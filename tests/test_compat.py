@@ -1097,3 +1097,15 @@ def test_an_episode_failed_before_a_save_did_is_raised_as_in_grid2op(
     runner = compat_runner(env, agentClass=FailsAtItsSeedsStep)
     with pytest.raises(Refusal, match="no action at step 1"):
         quiet(runner.run, 2, nb_process=2, max_iter=8, agent_seeds=[1, 30], path_save=tmp_path)
+
+
+def test_a_file_named_as_an_episode_folder_is_never_replaced(env: Any, tmp_path: Path) -> None:
+    """A file of yours named as a chronic in path_save: grid2op fails to write into it
+    (NotADirectoryError); it was replaced by the episode's folder, and lost."""
+    for make in (grid_runner, compat_runner):
+        path = tmp_path / make.__name__
+        path.mkdir()
+        (path / "0000").write_text("my notes")
+        with pytest.raises(NotADirectoryError):
+            quiet(make(env, agentClass=DoNothingAgent).run, 1, max_iter=3, path_save=path)
+        assert (path / "0000").read_text() == "my notes"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import secrets
@@ -21,6 +22,9 @@ class ReplacingWriter(EpisodeDataWriter):
 
     def _move_into_place(self, folder: str, name: str) -> str:
         target = os.path.join(self.path, name)
+        if os.path.lexists(target) and not os.path.isdir(target):
+            # A file of that name (yours): grid2op fails to write into it; never replace it.
+            raise NotADirectoryError(errno.ENOTDIR, "Not a directory", target)
         aside = self._new_tmp(self.path)
         kept: list[str] = []  # the old folder's other entries, moved into the new one
         set_aside = False
