@@ -8,7 +8,6 @@ import pickle
 from typing import Any
 
 import numpy as np
-from grid2op.Exceptions import EnvError
 
 from .._engine._recipe import env_key
 from .._exceptions import EpisodeError, SinkError
@@ -54,10 +53,10 @@ def play(
     (``RunSettings.record``): the workers do the same exactly when grid2op would.
     """
     nb_episode = len(ids)
-    if max_iter is not None and max_iter < 1 and max_iter != -1:
-        raise EnvError("'max_iter' should be an int >= 1 or -1")
-    core_options = reset_options_for_core(options, max_iter, init_states)
     env = runner._ar_template()
+    if max_iter is not None:  # grid2op's checks (its reset's), with its errors: 5.9, 0
+        max_iter = env._aux_check_max_iter(max_iter)
+    core_options = reset_options_for_core(options, max_iter, init_states)
     ids = [chronic_id(ep_id, env) for ep_id in ids]
     check_resets(env, core_options, init_states)
     env_seeds = [env_seed(seed) for seed in env_seeds]

@@ -210,23 +210,6 @@ def reset_options_for_core(
     return core_options
 
 
-def max_step(max_iter: Any) -> int:
-    """A ``max_iter`` as ``run_one_episode`` takes it: grid2op's reset reads it (``"max step"``,
-    ``Environment._aux_check_max_iter``), with its errors."""
-    try:
-        value = int(max_iter)
-    except ValueError as exc:
-        raise EnvError(_NOT_AN_INTEGER) from exc
-    if value != max_iter:
-        raise EnvError(_NOT_AN_INTEGER)
-    if value < 1 and value != -1:
-        raise EnvError("'max_iter' should be an int >= 1 or -1")
-    return value
-
-
-_NOT_AN_INTEGER = "Impossible to set 'max_iter' by providing something that is not an integer."
-
-
 def chronic_id(ep_id: Any, env: Any) -> Any:
     """A chronic id as grid2op reads it: ints wrap around, strings may be full paths."""
     names = chronic_names(env)

@@ -81,7 +81,6 @@ from ._rules import (
     check_lengths,
     check_reset_options,
     ids_and_options,
-    max_step,
     methods_taken,
 )
 from ._session import Session
@@ -262,7 +261,6 @@ class Runner(_GridRunner):  # type: ignore[misc]  # grid2op is untyped (Any base
             ep_id = int(reset_options[KEY_TIME_SERIE_ID])
             del reset_options[KEY_TIME_SERIE_ID]  # as grid2op does, in the caller's dict
         try:
-            steps = None if max_iter is None else max_step(max_iter)  # (the dict written too)
             (result,) = play(
                 self,
                 ids=[ep_id],
@@ -272,7 +270,7 @@ class Runner(_GridRunner):  # type: ignore[misc]  # grid2op is untyped (Any base
                 pbar=pbar,
                 env_seeds=[env_seed],
                 agent_seeds=[agent_seed],
-                max_iter=steps,
+                max_iter=max_iter,
                 init_states=[init_state],
                 detailed=detailed_output,
                 nb_highres=add_nb_highres_sim,
