@@ -306,6 +306,40 @@ async def test_bad_arguments_fail_before_any_episode(
     assert not (tmp_path / "cache").exists()
 
 
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_an_env_replaying_saved_episodes_refuses_more_scenarios_than_it_has(
+    env: Any, tmp_path: Path
+) -> None:
+    """FromMultiEpisodeData plays its episodes in a loop, FromOneEpisodeData its one: a scenario
+    played twice collides in the statistics (grid2op's classes fail with a KeyError once all
+    are played; this failed with a FileExistsError, after playing the references)."""
+    from grid2op.Chronics import FromMultiEpisodeData, FromOneEpisodeData
+    from grid2op.Runner import Runner
+
+    source = tmp_path / "source"
+    grid2ops(
+        Runner(**env.get_params_for_runner(), agentClass=DoNothingAgent).run,
+        nb_episode=2, max_iter=3, path_save=str(source), env_seeds=[0, 1],
+    )  # fmt: skip
+    episodes = EpisodeData.list_episode(str(source))
+    for chronics, feeding, count in (
+        (FromMultiEpisodeData, {"li_ep_data": episodes}, "2 scenarios"),
+        (FromOneEpisodeData, {"ep_data": episodes[0]}, "1 scenario "),
+    ):
+        replaying = make_env(
+            "l2rpn_case14_sandbox", chronics_class=chronics, data_feeding_kwargs=feeding
+        )
+        try:
+            with pytest.raises(ValueError, match=f"the env has {count}"):
+                await asyncrunner.score(
+                    replaying, DoNothingAgent, competition="l2rpn_2020", nb_scenario=3,
+                    max_step=3, cache_dir=tmp_path / "cache",
+                )  # fmt: skip
+        finally:
+            replaying.close()
+    assert not (tmp_path / "cache").exists()
+
+
 def test_each_agent_gets_a_folder_of_its_own() -> None:
     from asyncrunner._score._grid2op import _unique
 

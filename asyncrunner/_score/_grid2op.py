@@ -199,23 +199,45 @@ def _scorer(
     accepted = inspect.signature(cls.__init__).parameters
     cls.__init__(scorer, env, **{k: v for k, v in kwargs.items() if k in accepted})
     del scorer._init_stat
-    _check_counts(int(scorer.nb_scenario), env_seeds, agent_seeds, chronic_names(env))
+    _check_counts(int(scorer.nb_scenario), env_seeds, agent_seeds, _scenario_count(env))
     return scorer, refs
+
+
+def _scenario_count(env: Any) -> int | None:
+    """How many scenarios the env plays before replaying one (None: not known here). The
+    statistics name each scenario's folder after its chronic: a replayed one collides."""
+    from grid2op.Chronics import (
+        ChangeNothing,
+        FromMultiEpisodeData,
+        FromNPY,
+        FromOneEpisodeData,
+        GridStateFromFile,
+    )
+
+    names = chronic_names(env)
+    if names is not None:
+        return len(names)
+    real = getattr(env.chronics_handler, "real_data", None)
+    if isinstance(real, FromMultiEpisodeData):
+        return len(real.li_ep_data)
+    if isinstance(real, (ChangeNothing, FromNPY, FromOneEpisodeData, GridStateFromFile)):
+        return 1
+    return None
 
 
 def _check_counts(
     nb: int,
     env_seeds: Sequence[int] | None,
     agent_seeds: Sequence[int] | None,
-    names: list[str] | None,
+    scenarios: int | None,
 ) -> None:
     if nb < 1:
         raise ValueError(f"`nb_scenario` must be >= 1, got {nb}")
-    if names is not None and nb > len(names):
+    if scenarios is not None and nb > scenarios:
         # grid2op's classes would replay a chronic, whose statistics overwrite the first's.
         raise ValueError(
-            f"`nb_scenario` is {nb} but the env has {len(names)} scenarios (chronics): "
-            f"ask for at most {len(names)}"
+            f"`nb_scenario` is {nb} but the env has {scenarios} "
+            f"{'scenario' if scenarios == 1 else 'scenarios'} (chronics): ask for at most {scenarios}"
         )
     for name, seeds in (("env_seeds", env_seeds), ("agent_seeds", agent_seeds)):
         if seeds is not None and len(seeds) != nb:
