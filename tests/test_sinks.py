@@ -273,6 +273,29 @@ async def test_a_pbar_that_is_no_bar_is_refused_before_the_run(runner: AsyncRunn
     assert started == []
 
 
+async def test_a_tqdm_class_choosing_its_own_file_draws_there(
+    runner: AsyncRunner, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # grid2op's Runner calls a pbar class with total= and desc= only; a tqdm subclass giving
+    # itself a default file (a log, os.devnull) was made to draw on sys.stderr instead.
+    import io
+
+    from tqdm import tqdm
+
+    class ToItsOwnFile(tqdm):  # type: ignore[misc]  # tqdm is untyped
+        written = io.StringIO()
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            kwargs.setdefault("file", ToItsOwnFile.written)
+            super().__init__(*args, **kwargs)
+
+    capsys.readouterr()
+    with anyio.fail_after(TIMEOUT):
+        await runner.run(2, max_iter=2, pbar=ToItsOwnFile)
+    assert "episode: 100%" in ToItsOwnFile.written.getvalue()
+    assert "episode" not in capsys.readouterr().err
+
+
 async def test_pbar_instance_is_the_episode_bar(runner: AsyncRunner) -> None:
     bar = FakeBar(total=3, desc="mine")
     with anyio.fail_after(TIMEOUT):

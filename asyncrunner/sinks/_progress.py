@@ -140,9 +140,16 @@ class ProgressBar(Sink):
 
 
 def _draws_on_stderr(pbar: Any) -> bool:
-    """A tqdm class (``tqdm``, ``tqdm.auto.tqdm``): it draws on ``sys.stderr``."""
+    """A tqdm class (``tqdm``, ``tqdm.auto.tqdm``, a subclass): it draws on ``sys.stderr``. Not
+    a subclass with an ``__init__`` of its own: it may choose its own file, as under grid2op's
+    Runner (which gives its class ``total=`` and ``desc=`` only)."""
     tqdm = sys.modules.get("tqdm.std")
-    return tqdm is not None and isinstance(pbar, type) and issubclass(pbar, tqdm.tqdm)
+    if tqdm is None or not isinstance(pbar, type) or not issubclass(pbar, tqdm.tqdm):
+        return False
+    return all(
+        "__init__" not in vars(cls) or cls.__module__.partition(".")[0] == "tqdm"
+        for cls in pbar.__mro__[:-1]  # (not ``object``)
+    )
 
 
 def _on_stderr(tqdm: type) -> dict[str, Any]:
