@@ -352,6 +352,23 @@ def test_the_bare_loop_plays_what_grid2op_plays(wheel_env: Any, grid2op_referenc
     assert [steps for _, steps, _ in played] == [123, 300]
 
 
+def test_grid2ops_runner_plays_an_agent_given_as_a_factory_or_an_instance(env: Any) -> None:
+    # `--agent module:make_agent` (what the CLI's hint says for an agent taking arguments): the
+    # bench gave grid2op's Runner agentInstance beside its default agentClass, and it refused.
+    import functools
+
+    from grid2op.Agent import RandomAgent
+
+    from asyncrunner._cli._bench_contenders import Plan, grid2op_runner
+
+    plan = Plan(2, 1, 4, [0, 1], [0, 1], [0, 1])
+    make = functools.partial(RandomAgent, env.action_space)
+    played = [
+        grid2op_runner(env, agent, plan)[1] for agent in (RandomAgent, lambda space: make(), make())
+    ]
+    assert played[1] == played[2] == played[0] and len(played[0]) == 2
+
+
 class _DiesAtFirstAct:  # an agent class whose first act ends its process
     def __init__(self, action_space: Any) -> None:
         pass
@@ -377,3 +394,16 @@ def test_bare_loops_at_once_share_the_episodes_and_survive_a_dead_loop(env: Any)
     assert (timing["processes"], timing["episodes"], timing["steps"]) == (2, 3, 15)
     # a loop whose process dies sends nothing: no figure, and the bench goes on
     assert bare_loops_at_once(env, _DiesAtFirstAct, plan) is None
+
+
+def test_without_grid2op_asyncrunner_runs_that_differ_disagree() -> None:
+    # `--skip-grid2op` exited 0 when the AsyncRunner runs played different rewards per episode.
+    from asyncrunner._cli._bench_report import agreement
+
+    rows = [("0000", 5, 1.5), ("0001", 5, 2.0)]
+    other = [("0000", 5, 1.5), ("0001", 5, 2.5)]
+    same = agreement(rows, None, {"cold": rows, "warm": list(reversed(rows))})
+    differ = agreement(rows, None, {"cold": rows, "warm": other})
+    assert (same["steps_agree"], same["results_agree"]) == (None, None)
+    assert (differ["steps_agree"], differ["results_agree"]) == (None, False)
+    assert "DIFFER" in differ["detail"] and "DIFFER" not in same["detail"]

@@ -198,12 +198,12 @@ def grid2op_runner(env: Any, agent: Any, plan: Plan) -> tuple[Timing, list[tuple
     from grid2op.Agent import BaseAgent
     from grid2op.Runner import Runner
 
-    if isinstance(agent, type):
-        chosen = {"agentClass": agent}
-    elif isinstance(agent, BaseAgent):
-        chosen = {"agentInstance": agent}
-    else:  # a factory: grid2op takes an instance
-        chosen = {"agentInstance": agent(env.action_space)}
+    # (grid2op's Runner defaults agentClass to DoNothingAgent: None with an instance)
+    chosen: dict[str, Any] = {"agentClass": agent, "agentInstance": None}
+    if isinstance(agent, BaseAgent):
+        chosen = {"agentClass": None, "agentInstance": agent}
+    elif not isinstance(agent, type):  # a factory: grid2op takes an instance
+        chosen = {"agentClass": None, "agentInstance": agent(env.action_space)}
     with tempfile.TemporaryDirectory(prefix="asyncrunner-bench-grid2op-") as path_save:
         start = time.perf_counter()
         runner = Runner(**env.get_params_for_runner(), **chosen)

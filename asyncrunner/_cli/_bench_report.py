@@ -52,7 +52,8 @@ milliseconds; ``null`` where a figure was not measured, e.g. ``grid2op`` under `
   ``all_sinks_steps_per_s``, ``ratio`` (the same as ``ratios.all_sinks_vs_no_sinks``),
   ``slowdown_percent`` (``100 × (1 - ratio)``).
 - ``agreement``: ``steps_agree`` (every AsyncRunner run and grid2op's Runner played the same total
-  of steps), ``results_agree`` (and the same (chronic, steps, reward) per episode),
+  of steps), ``results_agree`` (and the same (chronic, steps, reward) per episode; without
+  grid2op's Runner: null, or false where the AsyncRunner runs differ),
   ``asyncrunner_steps``, ``grid2op_steps``, ``bare_loop_steps`` (totals), ``detail`` (one line).
 - ``errors``: ``grid2op``, ``asyncrunner``: null, or the one-line error that stopped that
   contender (its figures are then null; the exit status is 1).
@@ -204,10 +205,11 @@ def agreement(
         listed = ", ".join(f"{name} {steps}" for name, steps in totals.items())
         detail = f"the AsyncRunner runs played different totals of steps: {listed}"
     elif g2op is None:
-        steps_agree = results_agree = None
+        steps_agree = None
         same = all(sorted(rows) == sorted(next(iter(ours.values()))) for rows in ours.values())
+        results_agree = None if same else False  # (the exit status says so)
         detail = f"grid2op's Runner not run; the AsyncRunner runs each played {our_steps} steps" + (
-            "" if same else " (with different rewards per episode)"
+            "" if same else " but their per-episode rewards or steps DIFFER"
         )
     else:
         steps_agree = our_steps == g2op_steps
