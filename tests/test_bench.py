@@ -313,6 +313,7 @@ def test_bad_arguments() -> None:
         (["--workers", "1,100000"], "--workers: workers=100000 asks for up to 100000"),
         (["--plot", "b.svg"], "PNG"),
         (["--repeat", "0"], "--repeat"),
+        (["--episodes", "1", "--workers", "1,2"], "--episodes 1 leaves workers idle"),
     ):
         done = subprocess.run(
             [sys.executable, "-m", "asyncrunner", "bench", *args],
@@ -407,3 +408,36 @@ def test_without_grid2op_asyncrunner_runs_that_differ_disagree() -> None:
     assert (same["steps_agree"], same["results_agree"]) == (None, None)
     assert (differ["steps_agree"], differ["results_agree"]) == (None, False)
     assert "DIFFER" in differ["detail"] and "DIFFER" not in same["detail"]
+
+
+@pytest.mark.parametrize("loop", ["asyncio", "trio"])
+def test_sigterm_stops_the_bench_as_ctrl_c_does(tmp_path: Any, loop: str) -> None:
+    # `timeout`, a batch system's time limit: the bench ended at once and left its runners'
+    # temporary folders (raised inside the event loop, the sinks failed: it cancels the runs).
+    import signal
+    import time
+
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    err = tmp_path / "err.txt"
+    with err.open("w") as stderr:
+        bench = subprocess.Popen(
+            [sys.executable, "-m", "asyncrunner", "bench", "--episodes", "2", "--max-iter",
+             "2000", "--repeat", "1", "--no-lag-probe", "--skip-grid2op", "--loop", loop],
+            stdout=subprocess.DEVNULL, stderr=stderr, env={**os.environ, "TMPDIR": str(tmp)},
+            start_new_session=True,
+        )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 180
+        while "AsyncRunner: cold" not in err.read_text() and bench.poll() is None:
+            assert time.monotonic() < deadline, err.read_text()
+            time.sleep(0.1)
+        time.sleep(1)  # its workers playing, its folders made
+        bench.send_signal(signal.SIGTERM)
+        assert bench.wait(60) == 143, err.read_text()
+    finally:
+        bench.kill()
+    assert err.read_text().endswith("asyncrunner bench: terminated\n")
+    assert not list(tmp.iterdir())
+    time.sleep(1)
+    assert subprocess.run(["pgrep", "-s", str(bench.pid)], capture_output=True).stdout == b""

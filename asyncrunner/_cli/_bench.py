@@ -31,15 +31,17 @@ arguments. Benchmark numbers are noisy on a busy machine: compare ratios from on
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import importlib.metadata
 import json
 import os
 import platform
+import signal
 import sys
 import traceback
 import warnings
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -74,6 +76,7 @@ from ._common import (
     DEFAULT_ENV,
     QUIET,
     Parser,
+    Terminated,
     UsageError,
     add_env_options,
     at_least,
@@ -211,11 +214,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         check_local_workers(args.workers[-1])
     except ValueError as exc:
         parser.error(f"--workers: {exc}")
+    if args.episodes < args.workers[-1]:
+        # Workers with no episode: the limit (N loops) and the rate per worker counted them.
+        parser.error(
+            f"--episodes {args.episodes} leaves workers idle with --workers "
+            f"{args.workers[-1]}: give --episodes {args.workers[-1]} or more (the figures "
+            f"compare N workers with N bare loops), or fewer workers"
+        )
     with warnings.catch_warnings():
         for message in QUIET:
             warnings.filterwarnings("ignore", message=message)
         try:
-            report = _bench(args)
+            with _terminated_as_interrupted():
+                report = _bench(args)
         except UsageError as exc:
             parser.error(str(exc))
         except BareLoopFailed as exc:
@@ -225,9 +236,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                 file=sys.stderr,
             )
             return 1
-        except KeyboardInterrupt:
-            print("asyncrunner bench: interrupted", file=sys.stderr)
-            return 130
+        except KeyboardInterrupt as exc:
+            terminated = isinstance(exc, Terminated)
+            print(
+                f"asyncrunner bench: {'terminated' if terminated else 'interrupted'}",
+                file=sys.stderr,
+            )
+            return 143 if terminated else 130
     if args.json:
         print(json.dumps(report, indent=2))
     else:
@@ -245,6 +260,48 @@ def main(argv: Sequence[str] | None = None) -> int:
     if agreement["steps_agree"] is False or agreement["results_agree"] is False:
         return 1
     return 0
+
+
+@contextlib.contextmanager
+def _terminated_as_interrupted() -> Iterator[None]:
+    """SIGTERM (``timeout``, a batch system) stops the bench as Ctrl-C does: ``Terminated`` is
+    raised (in the AsyncRunner runs, ``_until_terminated`` cancels them first), the runners stop
+    their workers and remove their temporary folders. It ended the process at once, leaving
+    them. (In a process forked meanwhile, a pool's, it ends it.)"""
+    pid = os.getpid()
+
+    def terminate(signum: int, frame: object) -> None:
+        if os.getpid() != pid:
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
+        raise Terminated
+
+    previous = signal.signal(signal.SIGTERM, terminate)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+async def _until_terminated(runs: Callable[[], Awaitable[None]]) -> None:
+    """``await runs()``, cancelled by SIGTERM as Ctrl-C cancels it, then ``Terminated``: raised
+    from the signal's handler inside the event loop, it left the runners' sinks failing."""
+    terminated = False
+    async with anyio.create_task_group() as group:
+        with anyio.open_signal_receiver(signal.SIGTERM) as signals:
+
+            async def watch() -> None:
+                nonlocal terminated
+                async for _ in signals:
+                    terminated = True
+                    group.cancel_scope.cancel()
+
+            group.start_soon(watch)
+            await runs()
+            group.cancel_scope.cancel()
+    if terminated:
+        raise Terminated
 
 
 def _bench(args: argparse.Namespace) -> dict[str, Any]:
@@ -303,7 +360,9 @@ def _bench(args: argparse.Namespace) -> dict[str, Any]:
         report["lag_probe"] = probe
         try:
             anyio.run(
-                asyncrunner_runs, env, agent, plan, ours, our_results, probe, backend=args.loop
+                _until_terminated,
+                functools.partial(asyncrunner_runs, env, agent, plan, ours, our_results, probe),
+                backend=args.loop,
             )
         except Exception as exc:
             leaf = unwrap_single(exc)
@@ -347,9 +406,12 @@ def _sweep_point(
     progress(f"sweep: AsyncRunner, workers={plan.workers}")
     try:
         anyio.run(
-            functools.partial(asyncrunner_runs, sink_runs=False),
-            env, agent, plan, ours, {}, {"enabled": False}, backend=args.loop,
-        )  # fmt: skip
+            _until_terminated,
+            functools.partial(
+                asyncrunner_runs, env, agent, plan, ours, {}, {"enabled": False}, sink_runs=False
+            ),
+            backend=args.loop,
+        )
     except Exception as exc:
         leaf = unwrap_single(exc)
         errors["asyncrunner"] = first_line(f"{type(leaf).__name__}: {leaf}")
