@@ -410,10 +410,18 @@ def test_without_grid2op_asyncrunner_runs_that_differ_disagree() -> None:
     assert "DIFFER" in differ["detail"] and "DIFFER" not in same["detail"]
 
 
-@pytest.mark.parametrize("loop", ["asyncio", "trio"])
-def test_sigterm_stops_the_bench_as_ctrl_c_does(tmp_path: Any, loop: str) -> None:
+@pytest.mark.parametrize(
+    ("loop", "phase", "ctrl_c"),
+    [("asyncio", "AsyncRunner: cold", False), ("trio", "AsyncRunner: cold", False),
+     ("asyncio", "at once", True)],
+)  # fmt: skip
+def test_sigterm_stops_the_bench_as_ctrl_c_does(
+    tmp_path: Any, loop: str, phase: str, ctrl_c: bool
+) -> None:
     # `timeout`, a batch system's time limit: the bench ended at once and left its runners'
     # temporary folders (raised inside the event loop, the sinks failed: it cancels the runs).
+    # Ctrl-C, to the process group as a terminal sends it, during the bare loops at once: each
+    # forked loop printed its traceback.
     import signal
     import time
 
@@ -429,15 +437,20 @@ def test_sigterm_stops_the_bench_as_ctrl_c_does(tmp_path: Any, loop: str) -> Non
         )  # fmt: skip
     try:
         deadline = time.monotonic() + 180
-        while "AsyncRunner: cold" not in err.read_text() and bench.poll() is None:
+        while phase not in err.read_text() and bench.poll() is None:
             assert time.monotonic() < deadline, err.read_text()
             time.sleep(0.1)
-        time.sleep(1)  # its workers playing, its folders made
-        bench.send_signal(signal.SIGTERM)
-        assert bench.wait(60) == 143, err.read_text()
+        time.sleep(1)  # its workers or loops playing, its folders made
+        if ctrl_c:
+            os.killpg(bench.pid, signal.SIGINT)
+        else:
+            bench.send_signal(signal.SIGTERM)
+        assert bench.wait(60) == (130 if ctrl_c else 143), err.read_text()
     finally:
         bench.kill()
-    assert err.read_text().endswith("asyncrunner bench: terminated\n")
+    text = err.read_text()
+    assert text.endswith(f"asyncrunner bench: {'interrupted' if ctrl_c else 'terminated'}\n")
+    assert "Traceback" not in text
     assert not list(tmp.iterdir())
     time.sleep(1)
     assert subprocess.run(["pgrep", "-s", str(bench.pid)], capture_output=True).stdout == b""

@@ -191,6 +191,8 @@ def _bare_share(env: Any, agent: Any, plan: Plan, share: list[int], send: Any) -
         timing = bare_loop(env, agent, mine)[0].as_dict()
     except Exception:
         timing = None  # no figure: the one-process loop, played first, reports what fails
+    except KeyboardInterrupt:  # Ctrl-C reaches the whole process group: the bench says so
+        raise SystemExit(130) from None  # (multiprocessing printed each one's traceback)
     send.send(timing)
 
 
