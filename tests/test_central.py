@@ -222,6 +222,23 @@ async def test_seeded_agent_class_in_orchestrator_matches_in_worker(env: Any) ->
     assert await play(env, CentralAgent(RandomAgent)) == await in_worker(env, RandomAgent)
 
 
+class PlanAtReset(BaseAgent):  # type: ignore[misc]  # grid2op is untyped
+    """Draws its plan at ``reset`` from its action space, seeded before (as grid2op does)."""
+
+    def reset(self, obs: Any) -> None:
+        self.plan = self.action_space.sample()
+
+    def act(self, observation: Any, reward: float, done: bool = False) -> Any:
+        return self.plan
+
+
+async def test_an_agent_drawing_at_reset_in_orchestrator_matches_in_worker(env: Any) -> None:
+    # Seeded, then reset, as in a worker (and grid2op's Runner: test_agents_fidelity).
+    expected = await in_worker(env, PlanAtReset)
+    assert await play(env, CentralAgent(PlanAtReset)) == expected
+    assert len({r[2] for r in expected[0]}) > 1  # the plans differ
+
+
 async def test_async_agent_waits_overlap(env: Any) -> None:
     agent = SleepyAgent(env.action_space, delay=0.02)
     # 4 episodes in flight on 2 processes; vectors=True: the agent ignores its observations.
