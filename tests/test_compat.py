@@ -148,7 +148,11 @@ def test_run_matches_grid2op_with_detailed_output(
         assert_same_episode_data(ours[5], theirs[5])
 
 
-def test_compact_episode_data_matches_grid2op(env: Any, tmp_path: Path) -> None:
+@pytest.mark.parametrize("timed_out", [False, True])
+def test_compact_episode_data_matches_grid2op(env: Any, tmp_path: Path, timed_out: bool) -> None:
+    # TimedOutEnvironment steps on another path of the worker (it may skip steps: env.steps)
+    if timed_out:
+        env = TimedOutEnvironment(make_env(), time_out_ms=1e6)
     kwargs: dict[str, Any] = dict(
         nb_episode=2,
         max_iter=6,
@@ -179,6 +183,8 @@ def test_compact_episode_data_matches_grid2op(env: Any, tmp_path: Path) -> None:
         on_disk = CompactEpisodeData.from_disk(ours_path, mine.ep_id)
         for array in ("actions", "observations", "rewards", "other_rewards", "legal"):
             assert same_array(getattr(on_disk, array), getattr(other, array)), array
+    if timed_out:
+        env.close()
 
 
 def test_a_with_block_keeps_one_pool_and_saving_replaces_like_grid2op(
@@ -717,6 +723,53 @@ def _local_dir_env(tmp_path: Path) -> Any:
     quiet(env.generate_classes)
     env.close()
     return quiet(grid2op.make, str(path), experimental_read_from_local_dir=True)
+
+
+class NoValueReward(BaseReward):  # type: ignore[misc]  # grid2op is untyped
+    """A reward that forgot its ``return``: grid2op's EpisodeData records -inf."""
+
+    def __call__(self, *args: Any) -> Any:
+        return None
+
+
+def test_an_other_reward_that_is_no_number_is_saved_as_grid2op_saves_it(tmp_path: Path) -> None:
+    env = make_env(other_rewards={"none": NoValueReward})
+    kwargs: dict[str, Any] = dict(nb_episode=1, max_iter=3, env_seeds=[1], add_detailed_output=True)
+    expected = grid2ops(grid_runner(env, agentClass=DoNothingAgent).run, **kwargs,
+                        path_save=tmp_path / "grid2op")  # fmt: skip
+    runner = compat_runner(env, agentClass=DoNothingAgent)
+    results = quiet(runner.run, **kwargs, path_save=tmp_path / "compat")
+    runner.close()
+    env.close()
+    assert results[0][5].other_rewards == expected[0][5].other_rewards == [{"none": -np.inf}] * 3
+    saved = [(tmp_path / side / "0000" / "other_rewards.json").read_text() for side in
+             ("grid2op", "compat")]  # fmt: skip
+    assert json.loads(saved[0]) == json.loads(saved[1]) == [{"none": -np.inf}] * 3
+
+
+class CutsLines(BaseAgent):  # type: ignore[misc]  # grid2op is untyped
+    """Disconnects one more line each step: a game over within a few steps."""
+
+    def reset(self, obs: Any) -> None:
+        self.k = 0
+
+    def act(self, observation: Any, reward: float, done: bool = False) -> Any:
+        self.k += 1
+        return self.action_space({"set_line_status": [(i, -1) for i in range(self.k)]})
+
+
+def test_an_endless_chronic_gives_grid2ops_max_ts() -> None:
+    # ChangeNothing has no end (max_timestep() is -1): grid2op's tuples say 0.
+    from grid2op.Chronics import ChangeNothing
+
+    env = make_env(chronics_class=ChangeNothing)
+    kwargs: dict[str, Any] = dict(nb_episode=2, nb_process=2, env_seeds=[1, 2], agent_seeds=[3, 4])
+    expected = grid2ops(grid_runner(env, agentClass=CutsLines).run, **kwargs)
+    runner = compat_runner(env, agentClass=CutsLines)
+    results = quiet(runner.run, **kwargs)
+    runner.close()
+    env.close()
+    assert head(results) == head(expected) and [r[4] for r in results] == [0, 0]
 
 
 @pytest.mark.slow  # a special env each (local_dir generates the env's classes)

@@ -459,6 +459,24 @@ async def test_opponent_env_saves_what_grid2op_saves(icaps: dict[str, Any], tmp_
 # --- never overwrite ----------------------------------------------------------------------------
 
 
+async def test_a_folder_keeps_the_space_files_of_its_first_run_as_grid2op(
+    case14: dict[str, Any], wheel_env: Any, tmp_path: Path
+) -> None:
+    # grid2op's EpisodeData writes dict_*_space.json only where they are not: another env's run
+    # into the folder keeps them (and so how the first run's episodes load).
+    other = wheel_env("rte_case14_opponent")
+    theirs, ours = tmp_path / "grid2op", tmp_path / "ours"
+    for env in (case14["env"], other):
+        _grid2op_run(env, DoNothingAgent, theirs, False, nb_episode=1, max_iter=2)
+        async with AsyncRunner(env, agent=DoNothingAgent, workers=1) as runner:
+            await runner.run(1, max_iter=2, path_save=ours)
+        if env is case14["env"]:
+            first = {name: (ours / name).read_bytes() for name in SPACE_FILES}
+    for name in SPACE_FILES:
+        assert (ours / name).read_bytes() == first[name]
+        assert _json(ours / name) == _json(theirs / name), name
+
+
 async def test_same_chronic_twice_gets_two_folders(case14: dict[str, Any], tmp_path: Path) -> None:
     kwargs: dict[str, Any] = dict(max_iter=2, path_save=tmp_path)
     async with AsyncRunner(case14["env"], agent=RandomAgent, workers=2) as runner:
