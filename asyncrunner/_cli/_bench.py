@@ -288,18 +288,22 @@ async def _until_terminated(runs: Callable[[], Awaitable[None]]) -> None:
     """``await runs()``, cancelled by SIGTERM as Ctrl-C cancels it, then ``Terminated``: raised
     from the signal's handler inside the event loop, it left the runners' sinks failing."""
     terminated = False
-    async with anyio.create_task_group() as group:
-        with anyio.open_signal_receiver(signal.SIGTERM) as signals:
+    previous = signal.getsignal(signal.SIGTERM)
+    try:
+        async with anyio.create_task_group() as group:
+            with anyio.open_signal_receiver(signal.SIGTERM) as signals:
 
-            async def watch() -> None:
-                nonlocal terminated
-                async for _ in signals:
-                    terminated = True
-                    group.cancel_scope.cancel()
+                async def watch() -> None:
+                    nonlocal terminated
+                    async for _ in signals:
+                        terminated = True
+                        group.cancel_scope.cancel()
 
-            group.start_soon(watch)
-            await runs()
-            group.cancel_scope.cancel()
+                group.start_soon(watch)
+                await runs()
+                group.cancel_scope.cancel()
+    finally:  # (asyncio's receiver leaves SIG_DFL: the bench's next phases would end at once)
+        signal.signal(signal.SIGTERM, previous)
     if terminated:
         raise Terminated
 

@@ -28,9 +28,10 @@ milliseconds; ``null`` where a figure was not measured, e.g. ``grid2op`` under `
   the parent receiving that worker's first ``EpisodeStarted``, in increasing order; null for
   ``warm_no_sinks``, which has no sink to tell) and ``first_step_max_s`` (the slowest worker);
   ``parent_cpu_s`` (CPU time this process spent during the timed run, all its threads: the
-  event loop and the sinks' threads; ``cold``'s from the runner's construction, as its time) and ``parent_cpu_us_per_step`` (the same per step
-  played: what orchestrating and sinks cost this process, steadier than times on a busy
-  machine; on a machine with no spare core it is taken from the workers).
+  event loop and the sinks' threads; ``cold``'s from the runner's construction, as its time)
+  and ``parent_cpu_us_per_step`` (the same per step played: what orchestrating and sinks cost
+  this process, steadier than times on a busy machine; on a machine with no spare core it is
+  taken from the workers).
   ``warm_all_sinks`` also has ``sinks`` (the class names attached). The three warm runs are
   played ``repeat`` times, in turns: each is the run of median time, with ``seconds_each``
   (every turn's time, in the order played).
