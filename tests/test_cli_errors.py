@@ -623,21 +623,36 @@ class Slow(BaseAgent):
 
 
 def _interrupted(
-    tmp_path: Path, argv: list[str], ready: Callable[[], bool], sent: int = signal.SIGINT
+    tmp_path: Path,
+    argv: list[str],
+    ready: Callable[[], bool],
+    sent: int = signal.SIGINT,
+    stdout_gone: bool = False,
 ) -> tuple[int, str, str, float]:
-    """``asyncrunner ARGV`` in ``tmp_path``, sent ``sent`` once ``ready()``: its exit status,
-    stdout, stderr, and the seconds it took to end after the signal."""
+    """``asyncrunner ARGV`` in ``tmp_path``, sent ``sent`` once ``ready()`` (``stdout_gone``: its
+    stdout's reader gone first): its exit status, stdout, stderr, and the seconds it took to end
+    after the signal."""
     proc = subprocess.Popen(
-        [_script(), *argv], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    )
+        [_script(), *argv], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True, preexec_fn=lambda: signal.signal(sent, signal.SIG_DFL),  # (not `nohup`'s)
+    )  # fmt: skip
     try:
         deadline = time.monotonic() + 120
         while not ready():
             assert proc.poll() is None and time.monotonic() < deadline, "never ready"
             time.sleep(0.05)
+        if stdout_gone:  # its reader stopped by the same Ctrl-C (`| tee`)
+            assert proc.stdout is not None
+            proc.stdout.close()
         proc.send_signal(sent)
         start = time.monotonic()
-        out, err = proc.communicate(timeout=60)
+        if stdout_gone:
+            assert proc.stderr is not None
+            with proc.stderr:
+                out, err = "", proc.stderr.read()
+            proc.wait(60)
+        else:
+            out, err = proc.communicate(timeout=60)
         stopped = time.monotonic() - start
     finally:
         if proc.poll() is None:  # pragma: no cover - only when the test failed
@@ -648,26 +663,34 @@ def _interrupted(
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("sent", "status", "why"),
-    [(signal.SIGINT, 130, "interrupted"), (signal.SIGTERM, 143, "terminated")],
+    ("sent", "status", "why", "stdout_gone"),
+    [
+        (signal.SIGINT, 130, "interrupted", False),
+        (signal.SIGTERM, 143, "terminated", False),
+        (signal.SIGHUP, 129, "hung up (SIGHUP)", False),
+        (signal.SIGINT, 130, "interrupted", True),
+    ],
 )
 def test_ctrl_c_reports_what_finished_and_the_printed_command_resumes(
-    tmp_path: Path, sent: signal.Signals, status: int, why: str
+    tmp_path: Path, sent: signal.Signals, status: int, why: str, stdout_gone: bool
 ) -> None:
     # SIGTERM (kill, timeout, docker stop, a batch system's time limit) ended the process at
-    # once: no word, no table, its temporary folders left in the save folder.
+    # once: no word, no table, its temporary folders left in the save folder; so did SIGHUP (an
+    # ssh session closed, no nohup). With `| tee`, which the same Ctrl-C stops, the table's
+    # broken pipe ended it with status 1 and nothing on stderr (found by a hunt).
     (tmp_path / "slow_agent.py").write_text(SLOW_AGENT)
     argv = ["run", "--agent", "slow_agent.py:Slow", "-n", "3", "-w", "1", "--max-iter", "50"]
     argv += ["--seed", "0", "--save", "runs"]
     one_saved = lambda: any((tmp_path / "runs").glob("*/asyncrunner.json"))  # noqa: E731
-    returncode, out, err, stopped = _interrupted(tmp_path, argv, one_saved, sent)
+    returncode, out, err, stopped = _interrupted(tmp_path, argv, one_saved, sent, stdout_gone)
     assert returncode == status, err
     assert "Traceback" not in err
     assert stopped < QUICK
     assert not [p for p in (tmp_path / "runs").iterdir() if p.name.startswith(".")]
     saved = sorted(p.name for p in (tmp_path / "runs").iterdir() if p.is_dir())
     assert 1 <= len(saved) < 3, saved  # interrupted between episodes
-    assert [line.split()[1] for line in out.splitlines()[1:]] == saved  # the table of what finished
+    if not stdout_gone:  # the table of what finished
+        assert [line.split()[1] for line in out.splitlines()[1:]] == saved
     assert f"asyncrunner: {why}; {len(saved)}/3 episodes finished" in err
     assert f"{len(saved)} saved in runs: {', '.join(saved)}" in err
     command = err.split("resume with: ", 1)[1].strip()
@@ -869,3 +892,16 @@ def test_the_score_plot_shows_scores_below_minus_100() -> None:
     result = ScoreResult("Agent", "l2rpn_2023", (scenario,), False, None, ())
     scores = figure([result]).axes[0]
     assert scores.get_ylim()[0] < -150 and scores.get_ylim()[1] >= 100
+
+
+def test_a_run_with_stderr_closed_plays_and_prints_its_table(tmp_path: Path) -> None:
+    # `2>&-` (a daemon, a job script): the progress bar's default read sys.stderr.isatty() on
+    # None, and the run ended with status 1 before any episode, saying nothing.
+    done = subprocess.run(
+        [_script(), "run", "-n", "2", "--max-iter", "3", "--save", "runs"],
+        cwd=tmp_path, stdout=subprocess.PIPE, text=True, timeout=120,
+        preexec_fn=lambda: os.close(2),
+    )  # fmt: skip
+    assert done.returncode == 0
+    assert "2/2 episodes played" in done.stdout
+    assert sorted(p.name for p in (tmp_path / "runs").iterdir() if p.is_dir()) == ["0000", "0001"]

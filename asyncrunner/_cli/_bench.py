@@ -85,6 +85,8 @@ from ._common import (
     load_agent,
     make_env,
     parse_max_iter,
+    stop_signals,
+    stopping,
 )
 
 __all__ = ["main"]
@@ -237,12 +239,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
             return 1
         except KeyboardInterrupt as exc:
-            terminated = isinstance(exc, Terminated)
-            print(
-                f"asyncrunner bench: {'terminated' if terminated else 'interrupted'}",
-                file=sys.stderr,
-            )
-            return 143 if terminated else 130
+            terminated = exc if isinstance(exc, Terminated) else None
+            with contextlib.suppress(OSError):  # a terminal hung up: nothing can be written
+                why = terminated.why if terminated else "interrupted"
+                print(f"asyncrunner bench: {why}", file=sys.stderr)
+            return terminated.status if terminated else 130
     if args.json:
         print(json.dumps(report, indent=2))
     else:
@@ -264,10 +265,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 @contextlib.contextmanager
 def _terminated_as_interrupted() -> Iterator[None]:
-    """SIGTERM (``timeout``, a batch system) stops the bench as Ctrl-C does: ``Terminated`` is
-    raised (in the AsyncRunner runs, ``_until_terminated`` cancels them first), the runners stop
-    their workers and remove their temporary folders. It ended the process at once, leaving
-    them. (In a process forked meanwhile, a pool's, it ends it.)"""
+    """SIGTERM (``timeout``, a batch system) or SIGHUP stops the bench as Ctrl-C does:
+    ``Terminated`` is raised (in the AsyncRunner runs, ``_until_terminated`` cancels them
+    first), the runners stop their workers and remove their temporary folders. It ended the
+    process at once, leaving them. (In a process forked meanwhile, a pool's, it ends it.)"""
     pid = os.getpid()
 
     def terminate(signum: int, frame: object) -> None:
@@ -275,37 +276,35 @@ def _terminated_as_interrupted() -> Iterator[None]:
             signal.signal(signum, signal.SIG_DFL)
             os.kill(os.getpid(), signum)
             return
-        raise Terminated
+        raise Terminated(signum)
 
-    previous = signal.signal(signal.SIGTERM, terminate)
-    try:
+    with stopping(terminate):
         yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
 
 
 async def _until_terminated(runs: Callable[[], Awaitable[None]]) -> None:
-    """``await runs()``, cancelled by SIGTERM as Ctrl-C cancels it, then ``Terminated``: raised
-    from the signal's handler inside the event loop, it left the runners' sinks failing."""
-    terminated = False
-    previous = signal.getsignal(signal.SIGTERM)
+    """``await runs()``, cancelled by SIGTERM or SIGHUP as Ctrl-C cancels it, then
+    ``Terminated``: raised from the signal's handler inside the event loop, it left the runners'
+    sinks failing."""
+    got: list[int] = []
+    previous = {signum: signal.getsignal(signum) for signum in stop_signals()}
     try:
         async with anyio.create_task_group() as group:
-            with anyio.open_signal_receiver(signal.SIGTERM) as signals:
+            with anyio.open_signal_receiver(*previous) as signals:
 
                 async def watch() -> None:
-                    nonlocal terminated
-                    async for _ in signals:
-                        terminated = True
+                    async for signum in signals:
+                        got.append(signum)
                         group.cancel_scope.cancel()
 
                 group.start_soon(watch)
                 await runs()
                 group.cancel_scope.cancel()
     finally:  # (asyncio's receiver leaves SIG_DFL: the bench's next phases would end at once)
-        signal.signal(signal.SIGTERM, previous)
-    if terminated:
-        raise Terminated
+        for signum, before in previous.items():
+            signal.signal(signum, signal.SIG_DFL if before is None else before)
+    if got:
+        raise Terminated(got[0])
 
 
 def _bench(args: argparse.Namespace) -> dict[str, Any]:

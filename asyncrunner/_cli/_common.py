@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import importlib
 import importlib.util
 import os
@@ -13,7 +14,7 @@ import sys
 import tempfile
 import threading
 import warnings
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine, Iterator
 from pathlib import Path
 from typing import Any, NoReturn, TypeVar
 
@@ -32,6 +33,9 @@ __all__ = [
     "one_line",
     "parse_max_iter",
     "run_until_stopped",
+    "stop_signals",
+    "stopping",
+    "to_devnull",
 ]
 
 T = TypeVar("T")
@@ -317,37 +321,75 @@ def one_line(text: str, limit: int = 80) -> str:
 
 class Terminated(KeyboardInterrupt):
     """The command got SIGTERM (``kill``, ``timeout``, ``docker stop``, a batch system's time
-    limit); caught where Ctrl-C is, exit status 143."""
+    limit) or SIGHUP (its terminal closed, without ``nohup``); caught where Ctrl-C is, exit
+    status 128 + the signal's number (143, 129)."""
+
+    def __init__(self, signum: int = signal.SIGTERM) -> None:
+        super().__init__(signum)
+        self.signum = signum
+        self.status = 128 + signum
+        self.why = "hung up (SIGHUP)" if signum == getattr(signal, "SIGHUP", None) else "terminated"
+
+
+# The signals a job is ended with, which stop a command as Ctrl-C does (``stopping``).
+_STOPS: tuple[signal.Signals, ...] = tuple(
+    getattr(signal, name) for name in ("SIGTERM", "SIGHUP") if hasattr(signal, name)
+)
+
+
+def stop_signals() -> list[signal.Signals]:
+    """The stopping signals this process has not chosen to ignore (``nohup`` ignores SIGHUP)."""
+    return [signum for signum in _STOPS if signal.getsignal(signum) is not signal.SIG_IGN]
+
+
+@contextlib.contextmanager
+def stopping(handler: Callable[[int, Any], None]) -> Iterator[None]:
+    """``handler`` for ``stop_signals()`` in the block, the handlers before it after."""
+    previous = {signum: signal.signal(signum, handler) for signum in stop_signals()}
+    try:
+        yield
+    finally:
+        for signum, before in previous.items():  # (None: set outside Python)
+            signal.signal(signum, signal.SIG_DFL if before is None else before)
 
 
 def run_until_stopped(main: Coroutine[Any, Any, T]) -> T:
-    """``asyncio.run(main)``, which SIGTERM stops as Ctrl-C does: ``main`` is cancelled (the
-    runner stops its workers and removes its temporary folders), then ``Terminated`` is raised.
-    SIGTERM ended the process at once: not a word, nothing listed, temporary folders left."""
-    terminated = False
+    """``asyncio.run(main)``, which SIGTERM or SIGHUP stops as Ctrl-C does: ``main`` is cancelled
+    (the runner stops its workers and removes its temporary folders), then ``Terminated`` is
+    raised. They ended the process at once: not a word, nothing listed, temporary folders left."""
+    got: list[int] = []
 
     async def stoppable() -> T:
         loop, task = asyncio.get_running_loop(), asyncio.current_task()
         assert task is not None  # (asyncio.run's)
 
         def terminate(signum: int, frame: object) -> None:
-            nonlocal terminated
-            terminated = True
+            got.append(signum)
             loop.call_soon_threadsafe(task.cancel)
 
         if threading.current_thread() is not threading.main_thread():
             return await main  # (signals reach the main thread only)
         # signal.signal, not the loop's add_signal_handler: Windows' loops have none, and the
         # handler the process had comes back after.
-        previous = signal.signal(signal.SIGTERM, terminate)
-        try:
+        with stopping(terminate):
             return await main
-        finally:
-            signal.signal(signal.SIGTERM, previous)
 
     try:
         return asyncio.run(stoppable())
     except asyncio.CancelledError:
-        if terminated:
-            raise Terminated from None
+        if got:
+            raise Terminated(got[0]) from None
         raise
+
+
+def to_devnull(*streams: Any) -> None:
+    """What is still written to ``streams``, and flushed at exit, goes nowhere instead of
+    raising: their reader left (``| head``; ``| tee`` stopped by the same Ctrl-C), or their
+    terminal hung up."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        for stream in streams:
+            with contextlib.suppress(AttributeError, OSError, ValueError):
+                os.dup2(devnull, stream.fileno())
+    finally:
+        os.close(devnull)

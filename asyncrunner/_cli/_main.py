@@ -3,10 +3,10 @@ command to its module (imported only when it runs: ``show`` and ``score`` start 
 
 from __future__ import annotations
 
-import contextlib
-import os
 import sys
 from collections.abc import Sequence
+
+from ._common import to_devnull
 
 __all__ = ["main"]
 
@@ -15,17 +15,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``asyncrunner`` and ``python -m asyncrunner``; returns the exit status."""
     try:
         status = _command(argv)
-        for stream in (sys.stdout, sys.stderr):  # what is still buffered meets the pipe here
-            if stream is not None:
-                stream.flush()
+        try:
+            for stream in (sys.stdout, sys.stderr):  # what is still buffered meets the pipe here
+                if stream is not None:
+                    stream.flush()
+        except BrokenPipeError:
+            raise
+        except OSError:  # a terminal that hung up (SIGHUP: the command reported it)
+            to_devnull(sys.stdout, sys.stderr)
         return status
     except BrokenPipeError:
         # The output's reader left (``asyncrunner run | head -1``): stop as a pipe's writer
         # does, without a traceback (nor another as Python flushes the streams at its exit).
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        for stream in (sys.stdout, sys.stderr):
-            with contextlib.suppress(AttributeError, OSError, ValueError):
-                os.dup2(devnull, stream.fileno())
+        to_devnull(sys.stdout, sys.stderr)
         return 1
 
 

@@ -9,6 +9,7 @@ command that resumes it.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shlex
 import sys
@@ -32,6 +33,7 @@ from ._common import (
     one_line,
     parse_max_iter,
     run_until_stopped,
+    to_devnull,
 )
 from ._settings import Settings
 
@@ -193,9 +195,10 @@ def run_command(args: argparse.Namespace, parser: Parser, argv: list[str]) -> in
         finally:
             settings.env.close()
     except KeyboardInterrupt as exc:
-        terminated = isinstance(exc, Terminated)
-        _report_stopped(settings, args, argv, "terminated" if terminated else "interrupted")
-        return 143 if terminated else 130
+        terminated = exc if isinstance(exc, Terminated) else None
+        with contextlib.suppress(OSError):  # a terminal hung up: nothing can be written
+            _report_stopped(settings, args, argv, terminated.why if terminated else "interrupted")
+        return terminated.status if terminated else 130
     except SinkError as exc:  # saving (a full disk...) or the progress bar failed: it stopped
         cause = exc.__cause__
         what = f"{type(cause).__name__}: {cause}" if cause is not None else str(exc)
@@ -274,7 +277,13 @@ def _report_stopped(
         }
         done = [_replace(r, path=on_disk.get(r.index)) for r in done]
     if done or failed:
-        _print_table(sorted([*done, *failed], key=lambda r: r.index), seeded=args.seed is not None)
+        try:
+            _print_table(
+                sorted([*done, *failed], key=lambda r: r.index), seeded=args.seed is not None
+            )
+            sys.stdout.flush()
+        except BrokenPipeError:  # its reader left (`| tee`, stopped by the same Ctrl-C)
+            to_devnull(sys.stdout)  # what follows is on stderr
     requested = settings.nb_episode * len(mixes or [None])
     print(
         f"asyncrunner: {why}; {len(done)}/{requested} episodes finished"

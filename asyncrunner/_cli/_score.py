@@ -7,6 +7,7 @@ prints the same as JSON; ``--plot FILE.png`` draws score per scenario and surviv
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -177,10 +178,11 @@ def main(argv: Sequence[str]) -> int:
         parser.error(f"{args.competition} on this env: {exc}")
     except KeyboardInterrupt as exc:
         again = " (add --resume to complete it)" if args.save else ""
-        terminated = isinstance(exc, Terminated)
-        why = "terminated" if terminated else "interrupted"
-        print(f"asyncrunner score: {why}{again}", file=sys.stderr)
-        return 143 if terminated else 130
+        terminated = exc if isinstance(exc, Terminated) else None
+        why = terminated.why if terminated else "interrupted"
+        with contextlib.suppress(OSError):  # a terminal hung up: nothing can be written
+            print(f"asyncrunner score: {why}{again}", file=sys.stderr)
+        return terminated.status if terminated else 130
     finally:
         env.close()
     if args.json:

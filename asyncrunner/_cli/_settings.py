@@ -80,7 +80,8 @@ class Settings:
                 episode_id=ids,
             )
             # Progress bars by default only where someone watches them.
-            self.kwargs["pbar"] = sys.stderr.isatty() if args.pbar is None else args.pbar
+            watched = sys.stderr is not None and sys.stderr.isatty()  # (None: `2>&-`)
+            self.kwargs["pbar"] = watched if args.pbar is None else args.pbar
             self.tracker = _Tracker()
             executor = None
             workers = args.workers
