@@ -39,7 +39,9 @@ def env_copy(name: str, where: Path) -> Any:
     """The wheel's env ``name``, made from a copy in ``where``: grid2op's score classes write their
     statistics inside the env's folder, which must not touch (or come from) the installed one."""
     folder = where / name
-    shutil.copytree(Path(grid2op.__file__).parent / "data" / name, folder)
+    # (without statistics a grid2op score class left in the installed env)
+    installed = Path(grid2op.__file__).parent / "data" / name
+    shutil.copytree(installed, folder, ignore=shutil.ignore_patterns("_statistics_*"))
     return make_env(str(folder))
 
 
