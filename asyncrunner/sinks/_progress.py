@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+from collections.abc import Iterator
 from typing import Any
 
 from .._model import (
@@ -65,9 +66,12 @@ class ProgressBar(Sink):
             self._episodes = tqdm(total=nb_episode, desc="episode", unit="ep", position=0, **drawn)
             self._steps = tqdm(total=0, desc="step", unit="step", position=1, **drawn)
         elif isinstance(pbar, type):
-            drawn = _on_stderr(pbar) if _draws_on_stderr(pbar) else {}
-            self._episodes = pbar(total=nb_episode, desc="episode", **drawn)
-            self._steps = pbar(total=0, desc="step", **drawn)
+            # Called as grid2op's Runner calls it: a subclass of yours may choose its own file
+            # (it drew on stderr when given ``file=``); where it takes tqdm's default, stderr,
+            # it gets that stream as ``_Drawn`` guards it.
+            with _stderr_drawn() if _draws_on_stderr(pbar) else contextlib.nullcontext():
+                self._episodes = pbar(total=nb_episode, desc="episode")
+                self._steps = pbar(total=0, desc="step")
         else:
             self._episodes = pbar
 
@@ -140,16 +144,22 @@ class ProgressBar(Sink):
 
 
 def _draws_on_stderr(pbar: Any) -> bool:
-    """A tqdm class (``tqdm``, ``tqdm.auto.tqdm``, a subclass): it draws on ``sys.stderr``. Not
-    a subclass with an ``__init__`` of its own: it may choose its own file, as under grid2op's
-    Runner (which gives its class ``total=`` and ``desc=`` only)."""
+    """A tqdm class (``tqdm``, ``tqdm.auto.tqdm``, a subclass): it draws on ``sys.stderr``
+    unless it chooses another file."""
     tqdm = sys.modules.get("tqdm.std")
-    if tqdm is None or not isinstance(pbar, type) or not issubclass(pbar, tqdm.tqdm):
-        return False
-    return all(
-        "__init__" not in vars(cls) or cls.__module__.partition(".")[0] == "tqdm"
-        for cls in pbar.__mro__[:-1]  # (not ``object``)
-    )
+    return tqdm is not None and isinstance(pbar, type) and issubclass(pbar, tqdm.tqdm)
+
+
+@contextlib.contextmanager
+def _stderr_drawn() -> Iterator[None]:
+    """``sys.stderr`` as ``_Drawn`` guards it, while a tqdm class makes its bars: tqdm takes it
+    where it is given no file (not a notebook's widgets, which draw elsewhere)."""
+    stderr = sys.stderr
+    sys.stderr = _Drawn(stderr)  # (a stream as tqdm uses one)
+    try:
+        yield
+    finally:
+        sys.stderr = stderr
 
 
 def _on_stderr(tqdm: type) -> dict[str, Any]:
