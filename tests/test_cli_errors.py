@@ -905,3 +905,43 @@ def test_a_run_with_stderr_closed_plays_and_prints_its_table(tmp_path: Path) -> 
     assert done.returncode == 0
     assert "2/2 episodes played" in done.stdout
     assert sorted(p.name for p in (tmp_path / "runs").iterdir() if p.is_dir()) == ["0000", "0001"]
+
+
+TERMINATING_AGENT = """
+import multiprocessing
+import time
+
+from grid2op.Agent import BaseAgent
+
+
+def sleeper():
+    time.sleep(30)
+
+
+class Terminates(BaseAgent):
+    # A solver in a process of its own, ended with terminate() (SIGTERM) when it takes too long.
+    def act(self, observation, reward, done=False):
+        solver = multiprocessing.Process(target=sleeper)
+        solver.start()
+        time.sleep(0.2)
+        solver.terminate()
+        solver.join(10)
+        with open("exitcode", "w") as f:
+            f.write(str(solver.exitcode))
+        if solver.exitcode is None:
+            solver.kill()
+        return self.action_space({})
+"""
+
+
+def test_an_agents_process_ends_on_terminate_under_the_cli(tmp_path: Path) -> None:
+    # It inherited the worker's SIGTERM handler, `asyncrunner run`'s (which stops the run): its
+    # terminate() did nothing, the episode waited (grid2op's Runner: -15 at once).
+    (tmp_path / "agent.py").write_text(TERMINATING_AGENT)
+    done = subprocess.run(
+        [_script(), "run", "--agent", "agent.py:Terminates", "-n", "1", "--max-iter", "1",
+         "-w", "1", "--no-pbar"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "exitcode").read_text() == str(-signal.SIGTERM)

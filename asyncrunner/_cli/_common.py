@@ -358,12 +358,15 @@ def run_until_stopped(main: Coroutine[Any, Any, T]) -> T:
     (the runner stops its workers and removes its temporary folders), then ``Terminated`` is
     raised. They ended the process at once: not a word, nothing listed, temporary folders left."""
     got: list[int] = []
+    pid = os.getpid()
 
     async def stoppable() -> T:
         loop, task = asyncio.get_running_loop(), asyncio.current_task()
         assert task is not None  # (asyncio.run's)
 
         def terminate(signum: int, frame: object) -> None:
+            if os.getpid() != pid:  # a worker forked meanwhile: its runner stops it
+                return
             got.append(signum)
             loop.call_soon_threadsafe(task.cancel)
 

@@ -145,6 +145,12 @@ def _agents_child(prctl: Callable[..., int]) -> None:
     on as it would in grid2op's Runner; what the agent starts with ``subprocess`` runs no
     Python here: killed with the worker when its runner stops it, not otherwise.)"""
     close_inherited()
+    # The runner's handlers (``asyncrunner run``'s for SIGTERM and SIGHUP, an event loop's)
+    # were the worker's by its fork: its agent's processes take the default, as under grid2op's
+    # Runner, or their ``terminate()`` did nothing. (Ignored ones stay so: ``nohup``.)
+    for signum in (signal.SIGTERM, signal.SIGHUP):
+        if callable(signal.getsignal(signum)):
+            signal.signal(signum, signal.SIG_DFL)
     if getattr(_forking, "pid", 0) == _worker_pid and threading.get_ident() == _worker_thread:
         prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
         if os.getppid() != _worker_pid:  # it ended since the fork
