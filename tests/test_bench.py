@@ -430,8 +430,10 @@ def test_sigterm_stops_the_bench_as_ctrl_c_does(
     err = tmp_path / "err.txt"
     with err.open("w") as stderr:
         bench = subprocess.Popen(
-            [sys.executable, "-m", "asyncrunner", "bench", "--episodes", "2", "--max-iter",
-             "2000", "--repeat", "1", "--no-lag-probe", "--loop", loop,
+            # (the test env's chronics have 575 steps: 8 episodes keep each loop at once
+            # playing for seconds)
+            [sys.executable, "-m", "asyncrunner", "bench", "--episodes", "8" if ctrl_c else "2",
+             "--repeat", "1", "--no-lag-probe", "--loop", loop,
              # (a sweep: grid2op's Runner again, after the AsyncRunner runs)
              *(["--workers", "1,2"] if "sweep" in phase else ["--skip-grid2op"])],
             stdout=subprocess.DEVNULL, stderr=stderr, env={**os.environ, "TMPDIR": str(tmp)},
@@ -442,7 +444,7 @@ def test_sigterm_stops_the_bench_as_ctrl_c_does(
         while phase not in err.read_text() and bench.poll() is None:
             assert time.monotonic() < deadline, err.read_text()
             time.sleep(0.1)
-        time.sleep(1)  # its workers or loops playing, its folders made
+        time.sleep(0.5)  # its workers or loops playing, its folders made
         if ctrl_c:
             os.killpg(bench.pid, signal.SIGINT)
         else:
