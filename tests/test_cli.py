@@ -241,3 +241,32 @@ def test_no_episode_id_hint_without_episode_ids(capsys: pytest.CaptureFixture[st
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert "workers=100000 asks for" in err and "--episode-id" not in err
+
+
+def test_show_plots_each_episodes_rewards_over_the_steps_it_played(tmp_path: Path) -> None:
+    # grid2op's rewards.npz pads an episode that ended early to the chronic's length: the plot
+    # drew the padding as steps (a mutation audit found no test of it; both episodes end early).
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from grid2op.Agent import RandomAgent
+    from grid2op.Runner import Runner
+
+    from asyncrunner._cli._show import figure, read_run
+
+    from .conftest import make_env
+    from .helpers import grid2ops
+
+    env = make_env("rte_case14_opponent")
+    grid2ops(
+        Runner(**env.get_params_for_runner(), agentClass=RandomAgent).run,
+        nb_episode=2, path_save=str(tmp_path), max_iter=30, env_seeds=[11, 12],
+        agent_seeds=[5, 6],
+    )  # fmt: skip
+    env.close()
+    episodes = read_run(tmp_path)
+    assert all(e.steps < e.max_steps for e in episodes)
+    (reward,) = [
+        ax for ax in figure(tmp_path, episodes).axes if ax.get_title() == "Cumulative reward"
+    ]
+    assert [len(line.get_xdata()) for line in reward.get_lines()] == [e.steps for e in episodes]

@@ -725,6 +725,23 @@ def _local_dir_env(tmp_path: Path) -> Any:
     return quiet(grid2op.make, str(path), experimental_read_from_local_dir=True)
 
 
+@pytest.mark.parametrize("made_with", [{}, {"max_iter": 5}])
+def test_max_iter_minus_one_plays_without_limit_as_grid2op(made_with: dict[str, Any]) -> None:
+    # grid2op resets with "max step": -1: no limit (over the constructor's max_iter too), and
+    # max_episode_duration() -1, which EpisodeDurationReward reads.
+    from grid2op.Reward import EpisodeDurationReward
+
+    env = make_env("rte_case14_opponent", reward_class=EpisodeDurationReward)
+    kwargs: dict[str, Any] = dict(nb_episode=1, env_seeds=[11], agent_seeds=[5], max_iter=-1)
+    params = {**env.get_params_for_runner(), **made_with, "agentClass": DoNothingAgent}
+    expected = grid2ops(quiet(GridRunner, **params).run, **kwargs)
+    runner: compat.Runner = quiet(compat.Runner, **params)
+    results = quiet(runner.run, **kwargs)
+    runner.close()
+    env.close()
+    assert head(results) == head(expected) and results[0][3] > 5
+
+
 class NoValueReward(BaseReward):  # type: ignore[misc]  # grid2op is untyped
     """A reward that forgot its ``return``: grid2op's EpisodeData records -inf."""
 

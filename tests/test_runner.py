@@ -765,3 +765,19 @@ async def test_an_env_made_after_chronics_were_added_is_not_an_open_runners(
     first.close()
     assert (result.error, result.name) == (None, "0003")
     assert sorted(p.name for p in saved.iterdir() if p.is_dir()) == ["0000"]
+
+
+async def test_episodes_read_back_by_resume_keep_their_simulations(
+    env: Any, tmp_path: Path
+) -> None:
+    # An episode resume=True reads from disk comes with what it played, nb_highres_sim included
+    # (a mutation audit found it unguarded).
+    kwargs: dict[str, Any] = dict(
+        max_iter=4, env_seeds=[1, 2], agent_seeds=[3, 4], path_save=tmp_path, resume=True
+    )
+    async with AsyncRunner(env, agent=_BestOfSimulated, workers=1) as runner:
+        played = await runner.run(2, **kwargs)
+        read_back = await runner.run(2, **kwargs)
+    assert [r.nb_highres_sim for r in played] == [12, 12]
+    assert [r.as_tuple() for r in read_back] == [r.as_tuple() for r in played]
+    assert [r.nb_highres_sim for r in read_back] == [12, 12]
