@@ -82,10 +82,10 @@ from ._common import (
     at_least,
     check_plot,
     derive_seeds,
+    kept_handlers,
     load_agent,
     make_env,
     parse_max_iter,
-    stop_signals,
     stopping,
 )
 
@@ -287,10 +287,10 @@ async def _until_terminated(runs: Callable[[], Awaitable[None]]) -> None:
     ``Terminated``: raised from the signal's handler inside the event loop, it left the runners'
     sinks failing."""
     got: list[int] = []
-    previous = {signum: signal.getsignal(signum) for signum in stop_signals()}
-    try:
+    # (kept: asyncio's receiver leaves SIG_DFL, and the bench's next phases would end at once)
+    with kept_handlers() as signums:
         async with anyio.create_task_group() as group:
-            with anyio.open_signal_receiver(*previous) as signals:
+            with anyio.open_signal_receiver(*signums) as signals:
 
                 async def watch() -> None:
                     async for signum in signals:
@@ -300,9 +300,6 @@ async def _until_terminated(runs: Callable[[], Awaitable[None]]) -> None:
                 group.start_soon(watch)
                 await runs()
                 group.cancel_scope.cancel()
-    finally:  # (asyncio's receiver leaves SIG_DFL: the bench's next phases would end at once)
-        for signum, before in previous.items():
-            signal.signal(signum, signal.SIG_DFL if before is None else before)
     if got:
         raise Terminated(got[0])
 

@@ -28,12 +28,12 @@ __all__ = [
     "at_least",
     "check_plot",
     "derive_seeds",
+    "kept_handlers",
     "load_agent",
     "make_env",
     "one_line",
     "parse_max_iter",
     "run_until_stopped",
-    "stop_signals",
     "stopping",
     "to_devnull",
 ]
@@ -337,20 +337,29 @@ _STOPS: tuple[signal.Signals, ...] = tuple(
 )
 
 
-def stop_signals() -> list[signal.Signals]:
+def _stop_signals() -> list[signal.Signals]:
     """The stopping signals this process has not chosen to ignore (``nohup`` ignores SIGHUP)."""
     return [signum for signum in _STOPS if signal.getsignal(signum) is not signal.SIG_IGN]
 
 
 @contextlib.contextmanager
-def stopping(handler: Callable[[int, Any], None]) -> Iterator[None]:
-    """``handler`` for ``stop_signals()`` in the block, the handlers before it after."""
-    previous = {signum: signal.signal(signum, handler) for signum in stop_signals()}
+def kept_handlers() -> Iterator[list[signal.Signals]]:
+    """``_stop_signals()``, whose handlers as they are come back after the block."""
+    previous = {signum: signal.getsignal(signum) for signum in _stop_signals()}
     try:
-        yield
+        yield list(previous)
     finally:
         for signum, before in previous.items():  # (None: set outside Python)
             signal.signal(signum, signal.SIG_DFL if before is None else before)
+
+
+@contextlib.contextmanager
+def stopping(handler: Callable[[int, Any], None]) -> Iterator[None]:
+    """``handler`` for ``_stop_signals()`` in the block, the handlers before it after."""
+    with kept_handlers() as signums:
+        for signum in signums:
+            signal.signal(signum, handler)
+        yield
 
 
 def run_until_stopped(main: Coroutine[Any, Any, T]) -> T:

@@ -125,11 +125,14 @@ class Failures(Sink):
 
     def __init__(self) -> None:
         self.events: list[EpisodeFailed] = []
-        self.order: dict[int, int] = {}  # by episode
+
+    @property
+    def order(self) -> dict[int, int]:
+        """Each failed episode's place among the failures."""
+        return {event.index: k for k, event in enumerate(self.events)}
 
     async def send(self, event: Event) -> None:
         if isinstance(event, EpisodeFailed) and not event.retrying:
-            self.order.setdefault(event.index, len(self.events))
             self.events.append(event)
 
 

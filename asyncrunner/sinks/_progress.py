@@ -62,9 +62,9 @@ class ProgressBar(Sink):
         if pbar is True:
             from tqdm.auto import tqdm
 
-            drawn = _on_stderr(tqdm)
-            self._episodes = tqdm(total=nb_episode, desc="episode", unit="ep", position=0, **drawn)
-            self._steps = tqdm(total=0, desc="step", unit="step", position=1, **drawn)
+            with _stderr_drawn():
+                self._episodes = tqdm(total=nb_episode, desc="episode", unit="ep", position=0)
+                self._steps = tqdm(total=0, desc="step", unit="step", position=1)
         elif isinstance(pbar, type):
             # Called as grid2op's Runner calls it: a subclass of yours may choose its own file
             # (it drew on stderr when given ``file=``); where it takes tqdm's default, stderr,
@@ -153,19 +153,13 @@ def _draws_on_stderr(pbar: Any) -> bool:
 @contextlib.contextmanager
 def _stderr_drawn() -> Iterator[None]:
     """``sys.stderr`` as ``_Drawn`` guards it, while a tqdm class makes its bars: tqdm takes it
-    where it is given no file (not a notebook's widgets, which draw elsewhere)."""
+    where it is given no file (a notebook's takes stdout for it, as for ``sys.stderr``)."""
     stderr = sys.stderr
     sys.stderr = _Drawn(stderr)  # (a stream as tqdm uses one)
     try:
         yield
     finally:
         sys.stderr = stderr
-
-
-def _on_stderr(tqdm: type) -> dict[str, Any]:
-    """``tqdm``'s ``file=`` for a bar drawn on ``sys.stderr`` (none for a notebook's widgets,
-    which tqdm draws only where it gets no other file)."""
-    return {} if tqdm.__module__.startswith("tqdm.notebook") else {"file": _Drawn(sys.stderr)}
 
 
 class _Drawn:
