@@ -5,8 +5,10 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import ctypes.util
+import functools
 import gc
 import multiprocessing
+import multiprocessing.connection
 import os
 import signal
 import subprocess
@@ -310,6 +312,42 @@ async def test_ended_workers_leave_no_file_descriptor_open() -> None:
     await pool.aclose()
     assert sorted(os.listdir("/proc/self/fd")) == before
     assert stopped.exitcode == 0 and died.value is not None
+
+
+_SHARED: list[Any] = []
+
+
+def puts(value: int) -> None:
+    _SHARED[0].put(value)
+
+
+async def test_a_worker_holds_none_of_this_process_s_pipes_but_its_queues() -> None:
+    # A subprocess that another thread of this process (or its event loop) started as a worker
+    # forked: the worker held its pipes for its whole life, and `communicate()` waited for an
+    # end of file that never came (found by the app hunt: a web app's event loop froze).
+    cat = subprocess.Popen(["cat"], stdin=subprocess.PIPE, stdout=subprocess.PIPE)  # noqa: ASYNC220
+    read_end, write_end = os.pipe()  # a pipe held whole (a subprocess's, as it starts)
+    os.set_blocking(read_end, False)
+    _SHARED[:] = [multiprocessing.get_context("fork").Queue()]  # the workers put into it
+    pool = ForkPool(anyio.CapacityLimiter(1))
+    try:
+        await pool.call(puts, 7)  # forked with all of them open
+        worker = next(iter(pool._idle))
+        os.close(write_end)
+        assert os.read(read_end, 1) == b""  # no writer left: its end of file
+        out, _ = await anyio.to_thread.run_sync(functools.partial(cat.communicate, b"x", 20))
+        assert out == b"x"
+        assert await anyio.to_thread.run_sync(_SHARED[0].get, True, 20) == 7
+        # multiprocessing's own pipe to the worker is kept: it tells the worker's end
+        assert not multiprocessing.connection.wait([worker.process.sentinel], 0)
+    finally:
+        cat.kill()
+        cat.wait()
+        for stream in (cat.stdin, cat.stdout):
+            stream.close()  # type: ignore[union-attr]  # (both piped)
+        os.close(read_end)
+        await pool.aclose()
+        _SHARED.clear()
 
 
 async def test_workers_reaped_by_another_stop_cleanly() -> None:

@@ -19,18 +19,23 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import ctypes
+import fcntl
 import functools
 import gc
 import multiprocessing
+import multiprocessing.queues
+import multiprocessing.util
 import os
 import pickle
 import queue
 import signal
 import socket
+import stat
 import sys
 import threading
 import time
 import traceback
+import types
 import warnings
 import weakref
 from collections.abc import Callable
@@ -87,6 +92,7 @@ def _serve(
     prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
     if os.getppid() != parent:
         os._exit(0)
+    _release_pipes()
     # What the parent held at the fork (its env, grid2op, the caller's objects) is never
     # collected here: a full collection would go through all of it (0.15 to 0.2 s after a
     # parent built an env) and write to every object's pages, which the fork shares until then.
@@ -124,6 +130,43 @@ def _serve(
         _answer(sock)
     finally:
         _end_children()
+
+
+def _release_pipes() -> None:
+    """Let go of the pipes this worker got from its parent by the fork, but the ends it needs
+    (its standard streams, multiprocessing's sentinels, the parent's multiprocessing queues).
+
+    A subprocess that another thread of the parent (or its event loop) was starting as this
+    worker forked left its pipes here, for this worker's whole life: its ``communicate()`` waited
+    for an end of file that never came (a web app's event loop froze for good). Each end is
+    replaced, at its number, by a pipe's end with nothing at the other side (a write fails with
+    ``BrokenPipeError``, a read finds the end of the file): an object of the parent's still
+    holding that number can never reach a file this worker opens later."""
+    keep = {0, 1, 2}
+    frame: types.FrameType | None = sys._getframe(1)
+    while frame is not None and "child_w" not in frame.f_locals:  # popen_fork's _launch
+        frame = frame.f_back
+    if frame is None:  # (a multiprocessing that forks otherwise: left as it is)
+        return
+    keep |= {frame.f_locals["child_w"], frame.f_locals["child_r"]}
+    for kept in list(multiprocessing.util._afterfork_registry.values()):  # type: ignore[attr-defined]
+        if isinstance(kept, multiprocessing.queues.Queue):
+            for end in (kept._reader, kept._writer):  # type: ignore[attr-defined]
+                with contextlib.suppress(OSError):  # (closed)
+                    keep.add(end.fileno())
+    pipes: dict[int, int] = {}  # each number's access mode
+    for fd in map(int, os.listdir("/proc/self/fd")):
+        with contextlib.suppress(OSError):  # (the listing's own descriptor, closed)
+            if fd not in keep and stat.S_ISFIFO(os.fstat(fd).st_mode):
+                pipes[fd] = fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE
+    for reading in {mode == os.O_RDONLY for mode in pipes.values()}:
+        read_end, write_end = os.pipe()
+        nowhere, other = (read_end, write_end) if reading else (write_end, read_end)
+        os.close(other)
+        for fd, mode in pipes.items():
+            if (mode == os.O_RDONLY) == reading:
+                os.dup2(nowhere, fd, inheritable=False)
+        os.close(nowhere)
 
 
 # This worker's pid and main thread (a child keeps the ident of the thread that forked it), and
