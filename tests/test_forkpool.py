@@ -11,6 +11,7 @@ import multiprocessing
 import multiprocessing.connection
 import os
 import signal
+import socket
 import subprocess
 import threading
 import time
@@ -348,6 +349,29 @@ async def test_a_worker_holds_none_of_this_process_s_pipes_but_its_queues() -> N
         os.close(read_end)
         await pool.aclose()
         _SHARED.clear()
+
+
+async def test_a_worker_holds_none_of_this_process_s_network_sockets() -> None:
+    # A web app's connections as a worker forked (after a cancelled run): its closing sent the
+    # client nothing while the worker lived (a kept-alive connection the server closed took the
+    # client's next request, unanswered), and its listening socket took connections on.
+    server = socket.create_server(("127.0.0.1", 0))
+    client = socket.create_connection(server.getsockname())
+    accepted, _ = server.accept()
+    pool = ForkPool(anyio.CapacityLimiter(1))
+    try:
+        await pool.call(pid_plus, 0)  # forked with them open
+        accepted.close()
+        client.settimeout(20)
+        assert await anyio.to_thread.run_sync(client.recv, 1) == b""  # the end of the stream
+        address = server.getsockname()
+        server.close()
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection(address, timeout=20).close()
+    finally:
+        for sock in (client, accepted, server):
+            sock.close()
+        await pool.aclose()
 
 
 async def test_workers_reaped_by_another_stop_cleanly() -> None:

@@ -92,7 +92,7 @@ def _serve(
     prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
     if os.getppid() != parent:
         os._exit(0)
-    _release_pipes()
+    _release_inherited(sock)
     # What the parent held at the fork (its env, grid2op, the caller's objects) is never
     # collected here: a full collection would go through all of it (0.15 to 0.2 s after a
     # parent built an env) and write to every object's pages, which the fork shares until then.
@@ -132,17 +132,20 @@ def _serve(
         _end_children()
 
 
-def _release_pipes() -> None:
-    """Let go of the pipes this worker got from its parent by the fork, but the ends it needs
-    (its standard streams, multiprocessing's sentinels, the parent's multiprocessing queues).
+def _release_inherited(sock: socket.socket) -> None:
+    """Let go of the pipes and network sockets this worker got from its parent by the fork, but
+    those it needs: ``sock``, its standard streams, multiprocessing's sentinels and pipes (the
+    parent's queues, ``multiprocessing.Pipe``), unnamed socket pairs (an event loop's own).
 
     A subprocess that another thread of the parent (or its event loop) was starting as this
     worker forked left its pipes here, for this worker's whole life: its ``communicate()`` waited
-    for an end of file that never came (a web app's event loop froze for good). Each end is
-    replaced, at its number, by a pipe's end with nothing at the other side (a write fails with
-    ``BrokenPipeError``, a read finds the end of the file): an object of the parent's still
+    for an end of file that never came (a web app's event loop froze for good). A web app's
+    connections did too: closing one sent its client nothing (a kept-alive connection then took
+    the client's next request, unanswered), and its listening socket took connections on. Each
+    is replaced, at its number, by a pipe's end with nothing at the other side (a write fails
+    with ``BrokenPipeError``, a read finds the end of the file): an object of the parent's still
     holding that number can never reach a file this worker opens later."""
-    keep = {0, 1, 2}
+    keep = {0, 1, 2, sock.fileno()}
     frame: types.FrameType | None = sys._getframe(1)
     while frame is not None and "child_w" not in frame.f_locals:  # popen_fork's _launch
         frame = frame.f_back
@@ -154,19 +157,41 @@ def _release_pipes() -> None:
             for end in (kept._reader, kept._writer):  # type: ignore[attr-defined]
                 with contextlib.suppress(OSError):  # (closed)
                     keep.add(end.fileno())
-    pipes: dict[int, int] = {}  # each number's access mode
+    released: dict[int, bool] = {}  # each number: whether a read end replaces it
     for fd in map(int, os.listdir("/proc/self/fd")):
         with contextlib.suppress(OSError):  # (the listing's own descriptor, closed)
-            if fd not in keep and stat.S_ISFIFO(os.fstat(fd).st_mode):
-                pipes[fd] = fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE
-    for reading in {mode == os.O_RDONLY for mode in pipes.values()}:
+            mode = os.fstat(fd).st_mode
+            if fd in keep:
+                continue
+            if stat.S_ISFIFO(mode):
+                access = fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE
+                released[fd] = access == os.O_RDONLY
+            elif stat.S_ISSOCK(mode) and _networked(fd):
+                released[fd] = True
+    for reading in set(released.values()):
         read_end, write_end = os.pipe()
         nowhere, other = (read_end, write_end) if reading else (write_end, read_end)
         os.close(other)
-        for fd, mode in pipes.items():
-            if (mode == os.O_RDONLY) == reading:
+        for fd, replaced_by_read_end in released.items():
+            if replaced_by_read_end == reading:
                 os.dup2(nowhere, fd, inheritable=False)
         os.close(nowhere)
+
+
+def _networked(fd: int) -> bool:
+    """Whether socket ``fd`` is a network's (an Internet one, or a Unix one with an address: a
+    server's, or connected to one), not a socket pair's end."""
+    sock = socket.socket(fileno=fd)
+    try:
+        if sock.family != socket.AF_UNIX:
+            return True
+        try:
+            peer = sock.getpeername()
+        except OSError:  # (not connected: a listening one)
+            peer = ""
+        return bool(sock.getsockname() or peer)
+    finally:
+        sock.detach()
 
 
 # This worker's pid and main thread (a child keeps the ident of the thread that forked it), and
