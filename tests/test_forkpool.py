@@ -320,16 +320,18 @@ _SHARED: list[Any] = []
 
 def puts(value: int) -> None:
     _SHARED[0].put(value)
+    _SHARED[1].send(value)
 
 
-async def test_a_worker_holds_none_of_this_process_s_pipes_but_its_queues() -> None:
+async def test_a_worker_holds_none_of_this_process_s_pipes_but_multiprocessing_s() -> None:
     # A subprocess that another thread of this process (or its event loop) started as a worker
     # forked: the worker held its pipes for its whole life, and `communicate()` waited for an
     # end of file that never came (found by the app hunt: a web app's event loop froze).
     cat = subprocess.Popen(["cat"], stdin=subprocess.PIPE, stdout=subprocess.PIPE)  # noqa: ASYNC220
     read_end, write_end = os.pipe()  # a pipe held whole (a subprocess's, as it starts)
     os.set_blocking(read_end, False)
-    _SHARED[:] = [multiprocessing.get_context("fork").Queue()]  # the workers put into it
+    receive, send = multiprocessing.Pipe()
+    _SHARED[:] = [multiprocessing.get_context("fork").Queue(), send]  # the workers put into them
     pool = ForkPool(anyio.CapacityLimiter(1))
     try:
         await pool.call(puts, 7)  # forked with all of them open
@@ -339,6 +341,7 @@ async def test_a_worker_holds_none_of_this_process_s_pipes_but_its_queues() -> N
         out, _ = await anyio.to_thread.run_sync(functools.partial(cat.communicate, b"x", 20))
         assert out == b"x"
         assert await anyio.to_thread.run_sync(_SHARED[0].get, True, 20) == 7
+        assert receive.poll(20) and receive.recv() == 7
         # multiprocessing's own pipe to the worker is kept: it tells the worker's end
         assert not multiprocessing.connection.wait([worker.process.sentinel], 0)
     finally:
@@ -349,6 +352,8 @@ async def test_a_worker_holds_none_of_this_process_s_pipes_but_its_queues() -> N
         os.close(read_end)
         await pool.aclose()
         _SHARED.clear()
+        receive.close()
+        send.close()
 
 
 async def test_a_worker_holds_none_of_this_process_s_network_sockets() -> None:
