@@ -281,6 +281,20 @@ async def test_agent_error_fails_its_episode_only(env: Any) -> None:
     assert [r.nb_time_step for r in results if r.error is None] == [30, 30, 30]
 
 
+class Simulates(BaseAgent):  # type: ignore[misc]  # grid2op is untyped
+    def act(self, observation: Any, reward: float, done: bool = False) -> Any:
+        observation.simulate(self.action_space({}))
+        return self.action_space({})
+
+
+async def test_an_agent_simulating_in_the_orchestrator_is_told_where_to_play(env: Any) -> None:
+    async with AsyncRunner(env, agent=CentralAgent(Simulates), workers=1) as runner:
+        with anyio.fail_after(300):
+            (result,) = await runner.run(1, max_iter=3, on_error="continue")
+    assert result.error is not None and result.error.error_type == "NoForecastAvailable"
+    assert "give this agent to the workers" in result.error.message
+
+
 async def test_cancelling_while_the_agent_call_is_pending(env: Any, tmp_path: Any) -> None:
     from grid2op.Episode import EpisodeData
 

@@ -147,7 +147,13 @@ def _error(exc: BaseException) -> bytes:
         raised, tb = exc.raised, exc.tb
     else:
         raised, tb = exc, traceback.format_exc()
-    return pickle.dumps(("error", type(raised).__name__, text_of(raised), tb), protocol=5)
+    text = text_of(raised)
+    if type(raised).__name__ == "NoForecastAvailable":  # grid2op's: obs.simulate, forecasts
+        text += (
+            " (a CentralAgent's observations are rebuilt from vectors, without simulate or "
+            "forecasts: give this agent to the workers, AsyncRunner(env, agent=...))"
+        )
+    return pickle.dumps(("error", type(raised).__name__, text, tb), protocol=5)
 
 
 class _Raised(Exception):
