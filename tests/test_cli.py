@@ -231,6 +231,26 @@ def test_bad_arguments_exit_2_with_what_to_do(
     assert message in err and "--help" in err  # one line, and where to read more
 
 
+def test_an_agent_file_of_a_package_is_refused_with_its_module_form(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # A starting kit's submission/agent.py importing `from .utils import pick`.
+    package = tmp_path / "submission"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "utils.py").write_text("pick = 0\n")
+    (package / "agent.py").write_text("from .utils import pick\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", list(sys.path))  # (the command puts the file's folder in it)
+    from asyncrunner._cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["run", "--agent", "submission/agent.py:MyAgent"])
+    assert exit_info.value.code == 2
+    assert "give it as a module, --agent submission.agent:MyAgent" in capsys.readouterr().err
+    sys.modules.pop("agent", None)
+
+
 def test_no_episode_id_hint_without_episode_ids(capsys: pytest.CaptureFixture[str]) -> None:
     # Every refusal of the runner ended with "(if '' is the env to play, give it before
     # --episode-id, ...)" when no --episode-id was given.

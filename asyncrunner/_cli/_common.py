@@ -147,7 +147,7 @@ def load_agent(spec: str) -> Any:
         where, _, attr = spec.rpartition(":")
         if not where or not attr:
             raise UsageError(f"--agent {spec!r}: expected module:Name or path/to/file.py:Name")
-        module = _import_file(where) if where.endswith(".py") else _import_module(where)
+        module = _import_file(where, attr) if where.endswith(".py") else _import_module(where)
         agent = module
         for part in attr.split("."):
             agent = getattr(agent, part, None)
@@ -192,7 +192,7 @@ def _import_module(name: str) -> Any:
         raise UsageError(f"--agent: importing {name!r} failed: {_import_error(exc)}") from None
 
 
-def _import_file(path: str) -> Any:
+def _import_file(path: str, attr: str) -> Any:
     if not os.path.isfile(path):
         raise UsageError(f"--agent: no such file {path!r}")
     folder, stem = os.path.split(os.path.abspath(path)[: -len(".py")])
@@ -210,7 +210,17 @@ def _import_file(path: str) -> Any:
     try:
         return importlib.import_module(stem)
     except Exception as exc:
-        raise UsageError(f"--agent: importing {path!r} failed: {_import_error(exc)}") from None
+        hint = ""
+        package = os.path.basename(folder)
+        if isinstance(exc, ImportError) and os.path.isfile(os.path.join(folder, "__init__.py")):
+            # (a starting kit's submission/agent.py, with `from .utils import ...`)
+            hint = (
+                f" ({path!r} is in the package {package!r}: from the folder that holds it, "
+                f"give it as a module, --agent {package}.{stem}:{attr})"
+            )
+        raise UsageError(
+            f"--agent: importing {path!r} failed: {_import_error(exc)}{hint}"
+        ) from None
 
 
 def _import_error(exc: Exception) -> str:
