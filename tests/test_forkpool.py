@@ -15,6 +15,7 @@ import socket
 import subprocess
 import threading
 import time
+import warnings
 from typing import Any
 
 import anyio
@@ -377,6 +378,40 @@ async def test_a_worker_holds_none_of_this_process_s_network_sockets() -> None:
         for sock in (client, accepted, server):
             sock.close()
         await pool.aclose()
+
+
+def sends_and_shares_memory(address: tuple[str, int]) -> list[str]:
+    """Sends a datagram on the parent's socket (``SysLogHandler``'s), and makes shared memory
+    (which multiprocessing's resource tracker follows): what it was warned of."""
+    from multiprocessing import shared_memory
+
+    _SHARED[0].sendto(b"logged", address)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        memory = shared_memory.SharedMemory(create=True, size=16)
+        memory.close()
+        memory.unlink()
+    return [str(warning.message) for warning in caught]
+
+
+async def test_a_worker_keeps_this_process_s_datagram_sockets_and_resource_tracker() -> None:
+    from multiprocessing import resource_tracker
+
+    resource_tracker.ensure_running()  # (this process's, which a worker's memory reports to)
+    receiver = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    receiver.bind(("127.0.0.1", 0))
+    receiver.settimeout(20)
+    _SHARED[:] = [socket.socket(socket.AF_INET, socket.SOCK_DGRAM)]
+    pool = ForkPool(anyio.CapacityLimiter(1))
+    try:
+        # (a resource tracker that a worker could not reach was relaunched, with a warning)
+        assert await pool.call(sends_and_shares_memory, receiver.getsockname()) == []
+        assert await anyio.to_thread.run_sync(receiver.recv, 16) == b"logged"
+    finally:
+        await pool.aclose()
+        _SHARED[0].close()
+        _SHARED.clear()
+        receiver.close()
 
 
 async def test_workers_reaped_by_another_stop_cleanly() -> None:

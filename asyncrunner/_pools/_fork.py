@@ -133,18 +133,22 @@ def _serve(
 
 
 def _release_inherited(sock: socket.socket) -> None:
-    """Let go of the pipes and network sockets this worker got from its parent by the fork, but
-    those it needs: ``sock``, its standard streams, multiprocessing's sentinels and pipes (the
-    parent's queues, ``multiprocessing.Pipe``), unnamed socket pairs (an event loop's own).
+    """Let go of the pipes and network connections this worker got from its parent by the fork,
+    but those it needs: ``sock``, its standard streams, multiprocessing's (its sentinels, its
+    resource tracker's and forkserver's pipes, the parent's queues, unnamed socket pairs such
+    as ``multiprocessing.Pipe()`` and an event loop's own).
 
     A subprocess that another thread of the parent (or its event loop) was starting as this
     worker forked left its pipes here, for this worker's whole life: its ``communicate()`` waited
     for an end of file that never came (a web app's event loop froze for good). A web app's
     connections did too: closing one sent its client nothing (a kept-alive connection then took
     the client's next request, unanswered), and its listening socket took connections on. Each
-    is replaced, at its number, by a pipe's end with nothing at the other side (a write fails
-    with ``BrokenPipeError``, a read finds the end of the file): an object of the parent's still
-    holding that number can never reach a file this worker opens later."""
+    is replaced, at its number, by an end of a pipe or a socket pair with nothing at the other
+    side (a write fails with ``BrokenPipeError``, a read finds the end of the stream, as on a
+    closed connection): an object of the parent's still holding that number can never reach a
+    file this worker opens later."""
+    from multiprocessing import forkserver, resource_tracker
+
     keep = {0, 1, 2, sock.fileno()}
     frame: types.FrameType | None = sys._getframe(1)
     while frame is not None and "child_w" not in frame.f_locals:  # popen_fork's _launch
@@ -152,37 +156,48 @@ def _release_inherited(sock: socket.socket) -> None:
     if frame is None:  # (a multiprocessing that forks otherwise: left as it is)
         return
     keep |= {frame.f_locals["child_w"], frame.f_locals["child_r"]}
+    for holder, name in (
+        (resource_tracker._resource_tracker, "_fd"),
+        (forkserver._forkserver, "_forkserver_alive_fd"),
+    ):
+        fd = getattr(holder, name, None)
+        if isinstance(fd, int):
+            keep.add(fd)
     for kept in list(multiprocessing.util._afterfork_registry.values()):  # type: ignore[attr-defined]
         if isinstance(kept, multiprocessing.queues.Queue):
             for end in (kept._reader, kept._writer):  # type: ignore[attr-defined]
                 with contextlib.suppress(OSError):  # (closed)
                     keep.add(end.fileno())
-    released: dict[int, bool] = {}  # each number: whether a read end replaces it
+    released: dict[int, str] = {}  # each number: what replaces it
     for fd in map(int, os.listdir("/proc/self/fd")):
         with contextlib.suppress(OSError):  # (the listing's own descriptor, closed)
             mode = os.fstat(fd).st_mode
             if fd in keep:
                 continue
             if stat.S_ISFIFO(mode):
-                access = fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE
-                released[fd] = access == os.O_RDONLY
-            elif stat.S_ISSOCK(mode) and _networked(fd):
-                released[fd] = True
-    for reading in set(released.values()):
-        read_end, write_end = os.pipe()
-        nowhere, other = (read_end, write_end) if reading else (write_end, read_end)
+                reading = fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE == os.O_RDONLY
+                released[fd] = "read end" if reading else "write end"
+            elif stat.S_ISSOCK(mode) and _connection(fd):
+                released[fd] = "socket"
+    for kind in set(released.values()):
+        if kind == "socket":
+            nowhere, other = (s.detach() for s in socket.socketpair())
+        else:
+            read_end, write_end = os.pipe()
+            nowhere, other = (read_end, write_end) if kind == "read end" else (write_end, read_end)
         os.close(other)
-        for fd, replaced_by_read_end in released.items():
-            if replaced_by_read_end == reading:
-                os.dup2(nowhere, fd, inheritable=False)
+        for fd in (fd for fd, replaced_by in released.items() if replaced_by == kind):
+            os.dup2(nowhere, fd, inheritable=False)
         os.close(nowhere)
 
 
-def _networked(fd: int) -> bool:
-    """Whether socket ``fd`` is a network's (an Internet one, or a Unix one with an address: a
-    server's, or connected to one), not a socket pair's end."""
+def _connection(fd: int) -> bool:
+    """Whether socket ``fd`` is a network connection's or a server's: a stream socket, on the
+    Internet or at a Unix socket's address (not a socket pair's end; datagrams hold nobody)."""
     sock = socket.socket(fileno=fd)
     try:
+        if sock.type != socket.SOCK_STREAM:
+            return False
         if sock.family != socket.AF_UNIX:
             return True
         try:
