@@ -42,6 +42,21 @@ class Boom(BaseAgent):
         return self.action_space({})
 """
 
+# Booms from its worker's second episode on (a worker keeps its module).
+SECOND_EPISODE_BOOMS = """
+
+class SecondBooms(Boom):
+    episodes = 0
+
+    def reset(self, observation):
+        type(self).episodes += 1
+
+    def act(self, observation, reward, done=False):
+        if type(self).episodes < 2:
+            return self.action_space({})
+        return super().act(observation, reward, done)
+"""
+
 
 def _main(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str, float]:
     """Exit status, stdout, stderr and wall time of ``asyncrunner ARGV`` run in this process."""
@@ -490,6 +505,17 @@ def test_a_multimix_run_names_each_rows_mix_and_counts_every_mix(
     code, out, err, _ = _main([*argv[:-1], "5", *boom], capsys)
     assert code == 1
     assert "episode 1 (x2.5/001) failed after 3 steps: ValueError: boom at step 3" in err
+    # The failure that stops a seeded run, in a mix but the first: its row, its mix and seeds
+    # (each mix plays the seeds asked), not an IndexError (found by the third mutation audit).
+    second = tmp_path / "boom_second.py"
+    second.write_text(AGENTS + SECOND_EPISODE_BOOMS)
+    one_worker = [*argv[:5], "-w", "1", "--max-iter", "5", "--seed", "3"]
+    code, out, err, _ = _main([*one_worker, "--agent", f"{second}:SecondBooms"], capsys)
+    assert code == 1
+    assert "episode 1 (x2.5/001) failed after 3 steps: ValueError: boom at step 3" in err
+    first, failed = (line.split() for line in out.splitlines()[1:3])
+    assert failed[:2] == ["1", "x2.5"] and failed[5:7] == first[5:7]
+    assert " ".join(failed[7:]) == "ValueError: boom at step 3"
 
 
 def test_show_a_file_says_it_is_a_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

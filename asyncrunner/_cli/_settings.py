@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from dataclasses import replace
 from typing import Any
 
 from .._exceptions import EpisodeError
@@ -193,8 +194,15 @@ class _Tracker(Sink):
             )
 
     def failed_result(self, failure: EpisodeFailed, kwargs: dict[str, Any]) -> EpisodeResult:
-        started = self.started.get(failure.index)
-        seeds = [
-            kwargs[k][failure.index] if kwargs[k] else None for k in ("env_seeds", "agent_seeds")
-        ]
-        return EpisodeResult.of_failed(failure, started, env_seed=seeds[0], agent_seed=seeds[1])
+        """The episode that failed the run, as this sink received it (every sink receives an
+        episode's failure before ``run()`` raises it), with its seeds where it failed before it
+        started (each mix of a multimix env plays the ``--episodes`` requested, seeds alike)."""
+        result = self.failed[failure.index]
+        if self.started.get(failure.index) is None:
+            env_seeds, agent_seeds = (kwargs[k] for k in ("env_seeds", "agent_seeds"))
+            result = replace(
+                result,
+                env_seed=env_seeds[failure.index % len(env_seeds)] if env_seeds else None,
+                agent_seed=agent_seeds[failure.index % len(agent_seeds)] if agent_seeds else None,
+            )
+        return result
