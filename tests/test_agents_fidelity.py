@@ -932,6 +932,43 @@ def test_ids_follow_the_chronics_order_the_workers_play_after_a_shuffle_and_a_fi
     assert saved == ["0000", "0000_1", "0002"]  # resume played nothing again
 
 
+class CountingAgent(BaseAgent):  # type: ignore[misc]  # grid2op is untyped
+    """Rebinds a counter at each step (``self.steps += 1``); from its 4th step on, disconnects
+    a line."""
+
+    def __init__(self, action_space: Any) -> None:
+        super().__init__(action_space)
+        self.steps = 0
+
+    def act(self, observation: Any, reward: float, done: bool = False) -> Any:
+        self.steps += 1
+        if self.steps >= 4:
+            return self.action_space({"set_line_status": [(3, -1)]})
+        return self.action_space({})
+
+
+def test_each_episode_of_a_worker_plays_a_copy_of_the_instance_it_received() -> None:
+    # As grid2op's Runner with several processes: both episodes play 3 steps from steps = 0
+    # (a mutation audit: the instance itself played, the second episode went on counting).
+    env = make_env()
+    try:
+        agent = CountingAgent(env.action_space)
+        kwargs: dict[str, Any] = dict(max_iter=3, episode_id=[0, 0], env_seeds=[1, 1])
+        params = {**env.get_params_for_runner(), "agentClass": None, "agentInstance": agent}
+        runner = grid2ops(GridRunner, **params)
+        expected = played(grid2ops(runner.run, 2, nb_process=2, **kwargs))
+
+        async def main() -> list[Any]:
+            async with AsyncRunner(env, agent=agent, workers=1) as runner:
+                return [r.as_tuple() for r in await runner.run(2, **kwargs)]
+
+        mine = played(anyio.run(main))
+    finally:
+        env.close()
+    assert mine == expected and mine[0] == mine[1]
+    assert agent.steps == 0  # nothing reached the instance held here
+
+
 class RedispatchingAgent(BaseAgent):  # type: ignore[misc]  # grid2op is untyped
     """Asks for the same redispatching at every step: the env's redispatch solver runs."""
 

@@ -111,3 +111,29 @@ def test_path_save_must_be_a_writable_folder(tmp_path: Any) -> None:
         locked.mkdir(mode=0o500)
         with pytest.raises(ValueError, match="is not writable"):
             check_path_save(locked)
+
+
+def test_seeds_may_be_grid2op_s_largest() -> None:
+    # grid2op's Runner plays env seed 2**31 - 1 and agent seed 2**32 - 1 (the audit's boundary).
+    (request,) = plan_episodes(1, names=NAMES, env_seeds=[2**31 - 1], agent_seeds=[2**32 - 1])
+    assert (request.env_seed, request.agent_seed) == (2**31 - 1, 2**32 - 1)
+    with pytest.raises(ValueError, match="must be at most 2147483647"):
+        plan_episodes(1, names=NAMES, env_seeds=[2**31])
+
+
+def test_ids_of_an_env_shuffled_since_make_name_the_chronics_a_build_plays() -> None:
+    # grid2op's Runner and the workers play an env built from its params: a shuffle does not
+    # travel (resume matched an id to the shuffled env's chronic: another episode's result).
+    from asyncrunner._plan._arguments import chronic_names
+
+    from .conftest import make_env
+
+    env = make_env()
+    try:
+        names = chronic_names(env)
+        assert names is not None and len(names) > 1
+        env.chronics_handler.shuffle(lambda order: order[::-1])
+        assert chronic_names(env) == names
+        assert chronic_names(env, as_built=False) == names[::-1]
+    finally:
+        env.close()

@@ -265,6 +265,22 @@ async def test_killed_worker_is_replaced_and_episode_retried(env: Any) -> None:
     await wait_no_children(before)
 
 
+async def test_a_run_s_retries_override_the_runner_s(env: Any) -> None:
+    # AsyncRunner(retries=0) with run(retries=1): the killed worker's episode is played again
+    # (a mutation audit found run()'s own retries ignored by no test).
+    killed: list[int] = []
+
+    def kill_once(event: Any) -> None:
+        if isinstance(event, EpisodeStarted) and not killed:
+            os.kill(event.worker, signal.SIGKILL)
+            killed.append(event.worker)
+
+    async with AsyncRunner(env, agent=DoNothingAgent, workers=1, retries=0) as runner:
+        sinks = [CallbackSink(kill_once)]
+        (result,) = await runner.run(1, max_iter=5, retries=1, on_error="continue", sinks=sinks)
+    assert killed and result.ok and result.nb_time_step == 5
+
+
 class _PoolOfItsOwn(DoNothingAgent):  # type: ignore[misc]  # grid2op is untyped
     """Plays with a process pool of its own (forked by its worker, as an agent may to evaluate
     candidates at once), and writes each pool process's pid in ``pids``."""

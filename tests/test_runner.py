@@ -711,6 +711,16 @@ def test_cpu_quotas_read_from_cgroup_files(
     assert _cpu_quota(str(tmp_path)) == expected
 
 
+def test_a_cpu_quota_is_rounded_up(monkeypatch: pytest.MonkeyPatch) -> None:
+    # docker --cpus=1.5 on 4 CPUs: 2 workers by default, not 1 (README: "rounded up").
+    import asyncrunner._runner
+
+    monkeypatch.setattr(asyncrunner._runner, "_cpu_quota", lambda: 1.5)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    monkeypatch.setattr(os, "process_cpu_count", lambda: 4, raising=False)
+    assert asyncrunner._runner.usable_cpus() == 2
+
+
 async def test_an_open_runner_saves_after_its_env_was_closed(tmp_path: Any) -> None:
     # An example notebook's last cell closes the env; a saving cell run again after it failed
     # with "'NoneType' object has no attribute 'cls_to_dict'" (the env's spaces, read then).
