@@ -115,6 +115,70 @@ async def test_parity_with_local_pool_and_one_env_per_worker(
     assert {e.env_builds for e in started} == {1}  # each worker built its env once
 
 
+VERSIONED = """
+from grid2op.Agent import BaseAgent
+
+
+class Versioned(BaseAgent):
+    LINE = {line}
+
+    def act(self, observation, reward, done=False):
+        if self.LINE >= 0 and observation.current_step == 2:
+            return self.action_space({{"set_line_status": [(self.LINE, -1)]}})
+        return self.action_space({{}})
+"""
+
+
+UPLOAD_AND_PLAY = """
+import importlib, json, sys
+import anyio, distributed, grid2op
+from lightsim2grid import LightSimBackend
+from asyncrunner import AsyncRunner
+
+address, path = sys.argv[1:]
+sys.path.insert(0, path.rpartition("/")[0])
+kwargs = dict(nb_episode=1, max_iter=10, env_seeds=[1], episode_id=[0])
+
+
+async def main():
+    env = grid2op.make("l2rpn_case14_sandbox", test=True, backend=LightSimBackend())
+    agent = importlib.import_module("versioned_agent").Versioned
+    async with distributed.Client(address, asynchronous=True) as client:
+        await client.upload_file(path)
+        async with AsyncRunner(env, agent=agent, workers=2) as runner:
+            (local,) = await runner.run(**kwargs)
+        async with AsyncRunner(env, agent=agent, workers=2, executor=client) as runner:
+            (on_dask,) = await runner.run(**kwargs)
+    print(json.dumps([local.cum_reward, on_dask.cum_reward]))
+
+anyio.run(main)
+"""
+
+
+def test_an_agent_module_uploaded_again_plays_its_new_version(cluster: Any, tmp_path: Path) -> None:
+    # Two evaluations, one script each, on long-lived Dask workers: after `client.upload_file`
+    # (which reloads the module there), the second script's recipe pickled as the first's (the
+    # same key: a worker keeps its envs across runners), and the old class played on (found
+    # by the Dask hunt).
+    path = tmp_path / "versioned_agent.py"
+    script = tmp_path / "evaluate.py"
+    script.write_text(UPLOAD_AND_PLAY)
+    played = []
+    for line in (-1, 3):
+        path.write_text(VERSIONED.format(line=line))
+        done = subprocess.run(
+            [sys.executable, str(script), cluster.scheduler_address, str(path)],
+            env={**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(tmp_path)])},
+            capture_output=True,
+            text=True,
+            timeout=240,
+        )
+        assert done.returncode == 0, done.stderr[-3000:]
+        played.append(json.loads(done.stdout.splitlines()[-1]))
+    assert played[0][0] != played[1][0]  # the new version plays otherwise
+    assert [on_dask for _, on_dask in played] == [local for local, _ in played]
+
+
 def _workers_left(before: set[int]) -> set[int]:
     """Children started since ``before``, but multiprocessing's resource tracker (it stays)."""
     left = set()

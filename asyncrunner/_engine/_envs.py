@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import gc
+import inspect
 import logging
 import os
 import pickle
+import sys
 import threading
 import types
 import weakref
@@ -105,6 +108,21 @@ class _Cached:
         if pristine is None or self.lent or any(c.pristine is pristine for c in entries):
             return
         pristine.close()
+
+    def current(self) -> bool:
+        """Whether the agent's class (or function) is still what its module holds. A Dask
+        worker keeps its envs across runners, and runs: ``client.upload_file`` reloads the
+        agent's module there, and a recipe naming the new class pickles as the old one did
+        (the same key), which played on."""
+        agent = self.recipe.agent
+        if isinstance(agent, functools.partial):
+            agent = agent.func
+        if not (isinstance(agent, type) or inspect.isfunction(agent)):
+            agent = type(agent)  # an instance's class
+        found: Any = sys.modules.get(getattr(agent, "__module__", None) or "")
+        for part in str(getattr(agent, "__qualname__", "")).split("."):
+            found = getattr(found, part, None)
+        return found is None or found is agent  # (None: a class sent by value, a local one)
 
     def new_agent(self, env: Any) -> Any:
         kind, agent = self.recipe.agent_kind, self.recipe.agent
@@ -604,6 +622,9 @@ def get_env(
             slot += 1
             key = f"{recipe_key}#{slot}"
         cached = _ENVS.pop(key, None)
+        if cached is not None and not cached.current():
+            cached.close()
+            cached = None
         if cached is None:
             idle = [k for k in _ENVS if k not in _IN_USE]
             while len(_ENVS) >= max(keep, _MAX_ENVS) and idle:
