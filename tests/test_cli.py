@@ -262,6 +262,25 @@ def test_an_episode_id_that_is_a_chronic_s_name_is_that_chronic() -> None:
     assert _episode_id("0001", None) == 1
 
 
+def test_a_warning_under_a_command_is_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    # (a Dask scheduler without workers: the user read our source line under it)
+    import warnings
+
+    from asyncrunner._cli import _main
+
+    shown: list[str] = []
+
+    def warns(argv: Any) -> int:
+        shown.append(warnings.formatwarning("no workers yet", UserWarning, "_dask.py", 1, "..."))
+        return 0
+
+    monkeypatch.setattr(_main, "_command", warns)
+    before = warnings.formatwarning
+    assert _main.main(["run"]) == 0
+    assert shown == ["asyncrunner: UserWarning: no workers yet\n"]
+    assert warnings.formatwarning is before
+
+
 def test_no_episode_id_hint_without_episode_ids(capsys: pytest.CaptureFixture[str]) -> None:
     # Every refusal of the runner ended with "(if '' is the env to play, give it before
     # --episode-id, ...)" when no --episode-id was given.

@@ -489,6 +489,17 @@ def test_an_agent_and_reward_defined_in_the_script_play_on_dask_workers(
     assert mine == theirs
 
 
+async def test_a_scheduler_without_workers_is_told_at_open(env: Any) -> None:
+    # A bare `dask scheduler`: the run waited for a worker, saying nothing (the Dask hunt).
+    with distributed.LocalCluster(
+        n_workers=0, host="127.0.0.1", dashboard_address=":0", processes=True
+    ) as bare:
+        address = bare.scheduler_address
+        with pytest.warns(UserWarning, match=f"at {address} has no workers yet.*dask worker"):
+            async with AsyncRunner(env, agent=DoNothingAgent, workers=1, executor=address):
+                pass
+
+
 async def test_a_scheduler_address_nothing_answers_at_fails_at_open(env: Any) -> None:
     """Dask retries a refused connection until its timeout (30 s), at every call: the run then
     failed after 91 s, each episode with "Timed out trying to connect"."""

@@ -4,6 +4,7 @@ command to its module (imported only when it runs: ``show`` and ``score`` start 
 from __future__ import annotations
 
 import sys
+import warnings
 from collections.abc import Sequence
 
 from ._common import to_devnull
@@ -13,6 +14,25 @@ __all__ = ["main"]
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``asyncrunner`` and ``python -m asyncrunner``; returns the exit status."""
+    formatwarning = warnings.formatwarning
+    warnings.formatwarning = _one_line  # a command's user reads no source lines
+    try:
+        return _main(argv)
+    finally:
+        warnings.formatwarning = formatwarning
+
+
+def _one_line(
+    message: Warning | str,
+    category: type[Warning],
+    filename: str,
+    lineno: int,
+    line: str | None = None,
+) -> str:
+    return f"asyncrunner: {category.__name__}: {message}\n"
+
+
+def _main(argv: Sequence[str] | None) -> int:
     try:
         status = _command(argv)
         try:

@@ -28,6 +28,7 @@ import math
 import socket
 import struct
 import uuid
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
@@ -245,6 +246,16 @@ class DaskExecutor:
         else:
             versions = await anyio.to_thread.run_sync(
                 lambda: client.get_versions(packages=packages)
+            )
+        if not versions["workers"]:
+            # Dask waits for workers (a cluster scaling up starts them later): say so, or the
+            # run waited in silence.
+            warnings.warn(
+                f"the Dask scheduler at {client.scheduler.address} has no workers yet: episodes "
+                "wait until one joins (start them with `dask worker "
+                f"{client.scheduler.address} --nthreads 1`)",
+                UserWarning,
+                stacklevel=2,
             )
         here = versions["client"]["packages"]
         differ: dict[tuple[str, str | None, str | None], list[str]] = {}  # workers, by version
