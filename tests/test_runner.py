@@ -711,6 +711,26 @@ def test_cpu_quotas_read_from_cgroup_files(
     assert _cpu_quota(str(tmp_path)) == expected
 
 
+def test_a_worker_that_cannot_import_the_agent_s_module_says_what_to_do(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A Dask worker started elsewhere: "No module named 'my_agents'", and nothing more.
+    import importlib
+    import pickle
+    import sys
+
+    from asyncrunner._engine import _envs
+
+    (tmp_path / "gone_agents.py").write_text("class Agent:\n    pass\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    data = pickle.dumps(importlib.import_module("gone_agents").Agent)
+    monkeypatch.delitem(sys.modules, "gone_agents")
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p != str(tmp_path)])
+    with pytest.raises(ModuleNotFoundError, match=r"on the worker .*client\.upload_file") as info:
+        _envs._unpickled(data)
+    assert info.value.name == "gone_agents"
+
+
 def test_a_cpu_quota_is_rounded_up(monkeypatch: pytest.MonkeyPatch) -> None:
     # docker --cpus=1.5 on 4 CPUs: 2 workers by default, not 1 (README: "rounded up").
     import asyncrunner._runner

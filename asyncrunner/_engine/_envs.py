@@ -15,6 +15,7 @@ import inspect
 import logging
 import os
 import pickle
+import socket
 import sys
 import threading
 import types
@@ -632,10 +633,25 @@ def get_env(
             pristine = busy.pristine if busy is not None else None
             if pristine is not None and not copies_faithfully(pristine):
                 pristine = None  # played itself by the busy entry's episode
-            cached = _Cached(pickle.loads(recipe_bytes()), pristine)
+            cached = _Cached(_unpickled(recipe_bytes()), pristine)
         _ENVS[key] = cached  # most recently used last
         _IN_USE.add(key)  # until the caller discards it
         return key, cached
+
+
+def _unpickled(recipe_bytes: bytes) -> Recipe:
+    try:
+        recipe: Recipe = pickle.loads(recipe_bytes)
+    except ModuleNotFoundError as exc:
+        # (a Dask worker, started elsewhere: the message was the module's name alone)
+        raise ModuleNotFoundError(
+            f"{exc} on the worker {socket.gethostname()} (process {os.getpid()}): it imports "
+            "the modules of the agent and the env by name. Install them there, or make them "
+            "importable (on a Dask cluster, send a module with client.upload_file(path), or "
+            "start the workers with its folder on PYTHONPATH)",
+            name=exc.name,
+        ) from exc
+    return recipe
 
 
 def warm(recipe_key: str, recipe_bytes: bytes) -> int:
