@@ -58,6 +58,21 @@ async def test_a_worker_that_cannot_reach_the_runner_is_told(tmp_path: anyio.Pat
     assert "listen='tcp://HOST:0'" in str(caught.value)
 
 
+async def test_a_worker_that_cannot_reach_the_runner_on_tcp_is_told_what_to_do() -> None:
+    # A Dask worker on another machine: the listen address is this machine's, and reachable?
+    with pytest.raises(ChannelClosed, match="cannot reach the runner") as caught:
+        await anyio.to_thread.run_sync(connect, "tcp://127.0.0.1:1", "token")
+    assert "the workers must reach it" in str(caught.value)
+    # ... and its episode says so, not that its worker process died (it did not).
+    from asyncrunner._engine._dispatch import _died
+
+    said = _died(str(caught.value), "ChannelClosed")(0)
+    assert said.startswith("the worker process's connection to this runner failed (cannot reach")
+    assert _died("exit code -9", "BrokenWorkerProcess")(3).startswith(
+        "the worker process died (exit code -9); step 3 was the last received"
+    )
+
+
 async def test_listen_must_be_a_tcp_address() -> None:
     with pytest.raises(ValueError, match=r"tcp://HOST:PORT"):
         async with open_channel(listen="udp://127.0.0.1:0"):

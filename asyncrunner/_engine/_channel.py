@@ -195,7 +195,8 @@ def connect(address: str, token: str) -> Callable[..., None]:
                 "container or with a private /tmp, needs the channel on TCP: "
                 "DaskExecutor(..., listen='tcp://HOST:0'))"
                 if tcp is None
-                else ""
+                else " (the workers must reach it: give DaskExecutor(..., "
+                "listen='tcp://HOST:0') an address of this machine they can connect to)"
             )
             raise ChannelClosed(f"cannot reach the runner at {address}: {exc}{hint}") from exc
         _connection = _local.connection = _WorkerConnection((address, sock))

@@ -456,7 +456,7 @@ class Run:
                 died = isinstance(exc, WorkerDied)
                 error_type = exc.kind if isinstance(exc, WorkerDied) else type(exc).__name__
                 detail = str(exc) or repr(exc)
-                message = (_died if died else _as_is)(detail)
+                message = _died(detail, error_type) if died else _as_is(detail)
                 ended = []
                 for request, key in zip(group, keys, strict=True):
                     if key in self._closed:
@@ -508,16 +508,20 @@ class Run:
         await channel.send.send(failed)
 
 
-def _died(detail: str) -> Callable[[int], str]:
-    """The message of an attempt whose worker died, given the last step received from it."""
+def _died(detail: str, kind: str) -> Callable[[int], str]:
+    """The message of an attempt whose worker died (``kind``: the pool's error), or lost its
+    connection to the runner (``ChannelClosed``), given the last step received from it."""
+    what = (
+        "process's connection to this runner failed" if kind == "ChannelClosed" else "process died"
+    )
 
     def message(last: int) -> str:
         # A dead process cannot flush: the steps it played since its last batch are gone, so
         # say what was received, not where it died.
         seen = f"step {last} was the last received" if last else "no step received"
         return (
-            f"the worker process died ({detail}); {seen}: any steps it played after that were "
-            "lost with it"
+            f"the worker {what} ({detail}); {seen}: any steps it played after that "
+            "were lost with it"
         )
 
     return message
