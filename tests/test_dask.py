@@ -179,6 +179,37 @@ def test_an_agent_module_uploaded_again_plays_its_new_version(cluster: Any, tmp_
     assert [on_dask for _, on_dask in played] == [local for local, _ in played]
 
 
+async def test_an_env_whose_grid_file_changed_is_built_again(cluster: Any, tmp_path: Path) -> None:
+    # Dask workers keep their envs across runners: a grid file edited since was not read again
+    # (the recipe, its path, was the same), and the old grid played (found by the Dask hunt).
+    import grid2op
+    import pandapower  # type: ignore[import-untyped]
+
+    from .conftest import LightSimBackend, make_env
+
+    folder = tmp_path / "env"
+    source = make_env()
+    shutil.copytree(source.get_path_env(), folder)
+    source.close()
+    kwargs: dict[str, Any] = dict(nb_episode=1, max_iter=10, env_seeds=[1], episode_id=[0])
+    played = []
+    async with distributed.Client(cluster.scheduler_address, asynchronous=True) as client:
+        for edit in (False, True):
+            if edit:
+                grid = pandapower.from_json(str(folder / "grid.json"))
+                grid.line["x_ohm_per_km"] *= 1.5  # (the loads are the chronics')
+                pandapower.to_json(grid, str(folder / "grid.json"))
+            env = grid2op.make(str(folder), backend=LightSimBackend())
+            async with AsyncRunner(env, agent=DoNothingAgent, workers=2) as runner:
+                (local,) = await runner.run(**kwargs)
+            async with AsyncRunner(env, agent=DoNothingAgent, workers=2, executor=client) as r:
+                (on_dask,) = await r.run(**kwargs)
+            env.close()
+            played.append((local.cum_reward, on_dask.cum_reward))
+    assert played[0][0] != played[1][0]  # the edited grid plays otherwise
+    assert [on_dask for _, on_dask in played] == [local for local, _ in played]
+
+
 def _workers_left(before: set[int]) -> set[int]:
     """Children started since ``before``, but multiprocessing's resource tracker (it stays)."""
     left = set()

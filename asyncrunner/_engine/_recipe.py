@@ -3,11 +3,13 @@ how they pickle."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import hashlib
 import inspect
 import io
+import os
 import pickle
 import threading
 import types
@@ -351,8 +353,25 @@ def recipes(
         redefined = [(k, v) for k, v in enumerate(map(_version, named)) if v]
         if redefined:
             digest.update(repr(redefined).encode())
+        digest.update(_files_now(params).encode())
         made[mix] = (digest.hexdigest(), blob)
     return made
+
+
+def _files_now(params: Mapping[str, Any]) -> str:
+    """The env folder's own files (and the grid's) as they are now: their sizes and times of
+    change (as ``_parsed`` keys a parse). A Dask worker keeps its envs across runners under
+    their recipe's key: a grid file edited since it built one was not read again (the
+    chronics' files, read at each reset, are keyed by their own times)."""
+    found = []
+    paths: list[Any] = [params.get("init_grid_path")]
+    with contextlib.suppress(OSError, TypeError):
+        paths += sorted(e.path for e in os.scandir(params.get("init_env_path")) if e.is_file())
+    for path in paths:
+        with contextlib.suppress(OSError, TypeError, ValueError):
+            stat = os.stat(path)
+            found.append((path, stat.st_ino, stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns))
+    return repr(found)
 
 
 # The classes and functions the recipes of this process pickled, by name, in the order seen
