@@ -39,6 +39,7 @@ import types
 import warnings
 import weakref
 from collections.abc import Callable
+from multiprocessing import forkserver, resource_tracker
 from typing import Any, TypeVar
 
 import anyio
@@ -147,8 +148,6 @@ def _release_inherited(sock: socket.socket) -> None:
     side (a write fails with ``BrokenPipeError``, a read finds the end of the stream, as on a
     closed connection): an object of the parent's still holding that number can never reach a
     file this worker opens later."""
-    from multiprocessing import forkserver, resource_tracker
-
     keep = {0, 1, 2, sock.fileno()}
     frame: types.FrameType | None = sys._getframe(1)
     while frame is not None and "child_w" not in frame.f_locals:  # popen_fork's _launch
