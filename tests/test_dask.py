@@ -526,7 +526,7 @@ async def test_a_scheduler_without_workers_is_told_at_open(env: Any) -> None:
         n_workers=0, host="127.0.0.1", dashboard_address=":0", processes=True
     ) as bare:
         address = bare.scheduler_address
-        with pytest.warns(UserWarning, match=f"at {address} has no workers yet.*dask worker"):
+        with pytest.warns(UserWarning, match=f"at {address} has no workers: .*dask worker"):
             async with AsyncRunner(env, agent=DoNothingAgent, workers=1, executor=address):
                 pass
 

@@ -163,6 +163,10 @@ def _receive(conn: socket.socket, size: int) -> bytes:
     return data
 
 
+# Seconds a scheduler without workers gets for one to join before the runner says so.
+_WORKERS_AWAITED = 5.0
+
+
 class DaskExecutor:
     """Runs episodes as tasks of a Dask cluster.
 
@@ -241,22 +245,28 @@ class DaskExecutor:
 
     async def _check_versions(self, client: Any) -> None:
         packages = list(_SAME_VERSIONS)
-        if client.asynchronous:
-            versions = await client.get_versions(packages=packages)
-        else:
-            versions = await anyio.to_thread.run_sync(
-                lambda: client.get_versions(packages=packages)
-            )
+
+        async def call(fn: Callable[..., Any], *args: Any) -> Any:
+            if client.asynchronous:
+                return await fn(*args)
+            return await anyio.to_thread.run_sync(lambda: fn(*args))
+
+        versions = await call(lambda: client.get_versions(packages=packages))
         if not versions["workers"]:
-            # Dask waits for workers (a cluster scaling up starts them later): say so, or the
-            # run waited in silence.
-            warnings.warn(
-                f"the Dask scheduler at {client.scheduler.address} has no workers yet: episodes "
-                "wait until one joins (start them with `dask worker "
-                f"{client.scheduler.address} --nthreads 1`)",
-                UserWarning,
-                stacklevel=2,
-            )
+            # Dask waits for workers (started beside the scheduler, or by a cluster scaling
+            # up, they join a moment later): the run waited in silence when none came.
+            try:
+                await call(client.wait_for_workers, 1, _WORKERS_AWAITED)
+            except TimeoutError:
+                warnings.warn(
+                    f"the Dask scheduler at {client.scheduler.address} has no workers: "
+                    "episodes wait until one joins (start them with `dask worker "
+                    f"{client.scheduler.address} --nthreads 1`)",
+                    UserWarning,
+                    stacklevel=2,
+                )
+            else:
+                versions = await call(lambda: client.get_versions(packages=packages))
         here = versions["client"]["packages"]
         differ: dict[tuple[str, str | None, str | None], list[str]] = {}  # workers, by version
         for worker, info in sorted(versions["workers"].items()):
