@@ -531,6 +531,52 @@ async def test_a_scheduler_without_workers_is_told_at_open(env: Any) -> None:
                 pass
 
 
+BUILDS_SCRIPT = """
+import anyio, distributed, grid2op
+from grid2op.Agent import DoNothingAgent
+from asyncrunner import AsyncRunner, EpisodeStarted
+from asyncrunner.sinks import CallbackSink
+
+class ScriptAgent(DoNothingAgent):
+    pass
+
+async def main(address):
+    env = grid2op.make("l2rpn_case14_sandbox", test=True)
+    builds = []
+    sink = CallbackSink(
+        lambda e: builds.append(e.env_builds) if isinstance(e, EpisodeStarted) else None,
+        needs_steps=False,
+    )
+    async with AsyncRunner(env, agent=ScriptAgent, workers=1, executor=address) as runner:
+        for _ in range(2):
+            await runner.run(3, max_iter=3, sinks=[sink])
+    print(builds)
+
+if __name__ == "__main__":
+    with distributed.LocalCluster(
+        n_workers=1, threads_per_worker=1, host="127.0.0.1", dashboard_address=":0"
+    ) as cluster:
+        anyio.run(main, cluster.scheduler_address)
+"""
+
+
+def test_a_script_s_agent_class_keeps_its_worker_s_env(tmp_path: Path) -> None:
+    # Sent by value, the class is not its worker's `__main__.ScriptAgent` (the script imported
+    # again there): taken for a module reloaded since, every episode built its env again.
+    script = tmp_path / "evaluate.py"
+    script.write_text(BUILDS_SCRIPT)
+    done = subprocess.run(
+        [sys.executable, str(script)],
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads(done.stdout.splitlines()[-1]) == [1] * 6
+
+
 async def test_a_scheduler_address_nothing_answers_at_fails_at_open(env: Any) -> None:
     """Dask retries a refused connection until its timeout (30 s), at every call: the run then
     failed after 91 s, each episode with "Timed out trying to connect"."""

@@ -65,6 +65,8 @@ class _Cached:
         self.lent = lent
         self.copied = copied
         self.faithful: bool | None = None  # copies_faithfully, once asked
+        agent, found = _named(recipe.agent)
+        self.by_name = found is agent  # (current)
         self.other_reward_names = tuple(self.pristine.other_rewards)
 
     def _build(self) -> Any:
@@ -111,19 +113,15 @@ class _Cached:
         pristine.close()
 
     def current(self) -> bool:
-        """Whether the agent's class (or function) is still what its module holds. A Dask
-        worker keeps its envs across runners, and runs: ``client.upload_file`` reloads the
-        agent's module there, and a recipe naming the new class pickles as the old one did
-        (the same key), which played on."""
-        agent = self.recipe.agent
-        if isinstance(agent, functools.partial):
-            agent = agent.func
-        if not (isinstance(agent, type) or inspect.isfunction(agent)):
-            agent = type(agent)  # an instance's class
-        found: Any = sys.modules.get(getattr(agent, "__module__", None) or "")
-        for part in str(getattr(agent, "__qualname__", "")).split("."):
-            found = getattr(found, part, None)
-        return found is None or found is agent  # (None: a class sent by value, a local one)
+        """Whether the agent's class (or function), if its module held it when this entry was
+        built, still is what its module holds. A Dask worker keeps its envs across runners, and
+        runs: ``client.upload_file`` reloads the agent's module there, and a recipe naming the
+        new class pickles as the old one did (the same key), which played on. (A class sent by
+        value, a script's, is never its module's: its entry is kept.)"""
+        if not self.by_name:
+            return True
+        agent, found = _named(self.recipe.agent)
+        return found is agent
 
     def new_agent(self, env: Any) -> Any:
         kind, agent = self.recipe.agent_kind, self.recipe.agent
@@ -141,6 +139,19 @@ class _Cached:
                 )
             return made
         return copy.copy(agent)
+
+
+def _named(agent: Any) -> tuple[Any, Any]:
+    """The class or function that makes ``agent`` (a recipe's), and what its module holds under
+    its name now (None: no such module or name)."""
+    if isinstance(agent, functools.partial):
+        agent = agent.func
+    if not (isinstance(agent, type) or inspect.isfunction(agent)):
+        agent = type(agent)  # an instance's class
+    found: Any = sys.modules.get(getattr(agent, "__module__", None) or "")
+    for part in str(getattr(agent, "__qualname__", "")).split("."):
+        found = getattr(found, part, None)
+    return agent, found
 
 
 def fresh_copy(pristine: Any) -> Any:
