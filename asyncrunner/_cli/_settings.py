@@ -197,11 +197,8 @@ class _Tracker(Sink):
         """The episode that failed the run, as this sink received it (every sink receives an
         episode's failure before ``run()`` raises it), with its seeds where it failed before it
         started (each mix of a multimix env plays the ``--episodes`` requested, seeds alike)."""
-        started = self.started.get(failure.index)
-        result = self.failed.get(failure.index) or EpisodeResult.of_failed(
-            failure, started, env_seed=None, agent_seed=None
-        )
-        if started is None:
+        result = self.failed[failure.index]
+        if failure.index not in self.started:
             env_seeds, agent_seeds = (kwargs[k] for k in ("env_seeds", "agent_seeds"))
             result = replace(
                 result,
