@@ -21,7 +21,14 @@ import pytest
 from grid2op.Agent import BaseAgent, DoNothingAgent, RandomAgent
 from grid2op.Reward import AlarmReward, L2RPNReward
 
-from asyncrunner import AsyncRunner, CentralAgent, EpisodeFinished, RunFinished, StepBatch
+from asyncrunner import (
+    AsyncRunner,
+    CentralAgent,
+    EpisodeError,
+    EpisodeFinished,
+    RunFinished,
+    StepBatch,
+)
 from asyncrunner._engine import _channel, _envs
 from asyncrunner._engine._pool import WorkerPool
 from asyncrunner._pools._fork import ForkPool
@@ -729,6 +736,20 @@ def test_a_worker_that_cannot_import_the_agent_s_module_says_what_to_do(
     with pytest.raises(ModuleNotFoundError, match=r"on the worker .*client\.upload_file") as info:
         _envs._unpickled(data)
     assert info.value.name == "gone_agents"
+
+
+async def test_a_worker_without_the_env_s_folder_says_what_to_do(tmp_path: Path) -> None:
+    # A Dask worker on a machine without the env's folder: grid2op's "Path ... doesn't
+    # exists" alone, naming neither the worker nor what to do.
+    folder = tmp_path / "env"
+    shutil.copytree(make_env().get_path_env(), folder)
+    env = make_env(str(folder))
+    shutil.rmtree(folder)
+    with pytest.raises(
+        EpisodeError, match=r"FileNotFoundError: .*env is not on the worker .* every"
+    ):
+        async with AsyncRunner(env, agent=DoNothingAgent, workers=1) as runner:
+            await runner.run(1, max_iter=3)
 
 
 def test_a_cpu_quota_is_rounded_up(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -20,7 +20,7 @@ import sys
 import threading
 import types
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import numpy as np
@@ -86,7 +86,7 @@ class _Cached:
 
         # parsing_once: another env of the same grid (a score's other parametrisation) does
         # not parse the grid's file again.
-        with quiet(), parsing_once():
+        with quiet(), parsing_once(), _missing_files(self.recipe.params):
             runner = OnceRunner(**self.recipe.params, agentClass=DoNothingAgent)
             built = getattr(runner, "built", None)
             return built if built is not None else runner._new_env(runner.parameters)[0]
@@ -648,6 +648,26 @@ def get_env(
         _ENVS[key] = cached  # most recently used last
         _IN_USE.add(key)  # until the caller discards it
         return key, cached
+
+
+@contextlib.contextmanager
+def _missing_files(params: Mapping[str, Any]) -> Iterator[None]:
+    """A build that failed on a path the runner's env was made from, missing here, says so:
+    a Dask worker on another machine, without the env's folder, failed with grid2op's "Path
+    ... doesn't exists" alone."""
+    try:
+        yield
+    except Exception as exc:
+        for what in ("init_env_path", "init_grid_path", "path_chron"):
+            path = params.get(what)
+            if isinstance(path, str | os.PathLike) and path and not os.path.exists(path):
+                raise FileNotFoundError(
+                    f"{os.fspath(path)} is not on the worker {socket.gethostname()} (process "
+                    f"{os.getpid()}): a worker builds the env from the files the runner's env "
+                    "was made from, at the same paths. Copy the env's folder to the same path "
+                    "on every worker's machine, or keep it on a filesystem they share"
+                ) from exc
+        raise
 
 
 def _unpickled(recipe_bytes: bytes) -> Recipe:
