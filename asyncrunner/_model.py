@@ -184,7 +184,10 @@ class EpisodeFinished:
     ``cum_reward64``: as grid2op's ``CompactEpisodeData`` sums them (``float(reward)``).
     ``files``: the episode's saved files, built by the worker for the run's episode writers, by
     format (``Sink.episode_format``): by file name, or ``Staged`` when the worker wrote them
-    itself; empty for every other sink and in ``stream()``.
+    itself; empty for every other sink and in ``stream()``. ``objects``: with
+    ``run(add_detailed_output=True)``, the steps' grid2op objects as grid2op's Runner keeps them
+    in its ``EpisodeData`` (the agent's actions, the env's actions, the observations the env
+    returned, the attacks), pickled; empty otherwise.
     """
 
     run_id: str
@@ -202,6 +205,7 @@ class EpisodeFinished:
     nb_highres_sim: int
     times: Mapping[str, Any] = field(repr=False)
     files: Mapping[str, Mapping[str, bytes] | Staged] = field(default_factory=dict, repr=False)
+    objects: bytes = field(default=b"", repr=False)
 
 
 # EpisodeFailed.error_type of an episode still playing when another one's failure stopped the

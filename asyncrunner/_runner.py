@@ -543,7 +543,9 @@ class AsyncRunner(AsyncResource):
 
     # --- runs ----------------------------------------------------------------------------------
 
-    async def _prepare(self, nb_episode: int, options: RunOptions, *, streaming: bool) -> Run:
+    async def _prepare(
+        self, nb_episode: int, options: RunOptions, *, streaming: bool, objects: bool = False
+    ) -> Run:
         unknown = sorted(set(options) - RunOptions.__optional_keys__)
         if unknown:
             call = "stream" if streaming else "run"
@@ -620,6 +622,7 @@ class AsyncRunner(AsyncResource):
             spaces=spaces,
             space_files=space_files,
             files=files,
+            objects=objects,
             record=self._record_steps,
             exceptions=self._send_exceptions,
         )
@@ -681,7 +684,8 @@ class AsyncRunner(AsyncResource):
             sinks = options.get("sinks", ())
             _check_sinks(sinks)  # (before it is spliced)
             options = {**options, "sinks": [*sinks, collector]}
-        run = await self._prepare(nb_episode, options, streaming=False)
+        objects = collector is not None and not collector.compact
+        run = await self._prepare(nb_episode, options, streaming=False, objects=objects)
         if collector is None:
             with unwrapped():
                 return await self._execute(run)

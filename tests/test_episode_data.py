@@ -728,3 +728,32 @@ async def test_episode_data_points_at_its_folder_as_grid2ops(
     assert compact.path is not None and compact.path.endswith(".npz")
     assert not compact.episode_data.serialize
     assert not hasattr(compact.episode_data, "episode_path")
+
+
+class LockedActions(BaseAgent):  # type: ignore[misc]  # grid2op is untyped
+    """Acts with actions holding a lock: they cannot be pickled."""
+
+    def act(self, observation: Any, reward: float, done: bool = False) -> Any:
+        action = self.action_space({"set_line_status": [(observation.current_step % 3, 1)]})
+        action.lock = threading.Lock()
+        return action
+
+
+async def test_detailed_objects_that_cannot_be_pickled_are_built_from_their_vectors(
+    case14: dict[str, Any],
+) -> None:
+    # The workers send the steps' objects (grid2op's Runner keeps them); with an action holding
+    # a lock they cannot: the EpisodeData has them as their vectors say.
+    kwargs: dict[str, Any] = dict(nb_episode=1, env_seeds=[3], agent_seeds=[5], max_iter=4)
+    theirs = Runner(**case14["env"].get_params_for_runner(), agentClass=LockedActions).run(
+        add_detailed_output=True, **kwargs
+    )[0][-1]
+    async with AsyncRunner(case14["env"], agent=LockedActions, workers=1) as runner:
+        (ours,) = await runner.run(add_detailed_output=True, **kwargs)
+    data = ours.episode_data
+    assert len(data.actions) == len(theirs.actions) == 4
+    for mine, other in zip(data.actions, theirs.actions, strict=True):
+        assert np.array_equal(mine.to_vect(), other.to_vect())
+        assert not hasattr(mine, "lock")
+    for mine, other in zip(data.observations, theirs.observations, strict=True):
+        assert np.array_equal(mine.to_vect(), other.to_vect(), equal_nan=True)

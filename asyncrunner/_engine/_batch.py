@@ -251,6 +251,8 @@ class Batcher:
         self.w = 0  # wide rows filled, for the rows n - w to n (the buffer has those before)
         self.first_step = 1
         self.last_flush = time.perf_counter()
+        # Each step's objects, as grid2op's Runner keeps them in its EpisodeData (``objects``).
+        self.objects: list[tuple[Any, Any, Any, Any]] | None = [] if job.objects else None
 
     def add(
         self,
@@ -296,6 +298,8 @@ class Batcher:
             vector = np.empty(self.observations.shape[1], dtype=self.observations.dtype)
             fill(vector, obs)
             obs._vectorized = vector
+        if self.objects is not None:
+            self.objects.append((act, env._env_modification, obs, attack))
         i = self.n
         self.rewards[i] = reward
         self.done[i] = done

@@ -62,7 +62,8 @@ class RunSettings:
     ``env_for(mix)``: the parent's env of a mix; ``spaces``, ``space_files``: ``RunStarted``'s;
     ``detail``:
     whether the workers send the steps' arrays; ``files``: the episode file formats they build
-    (``Sink.episode_format``); ``exceptions``: whether a failure's exception comes back pickled
+    (``Sink.episode_format``); ``objects``: whether they send the steps' grid2op objects
+    (``EpisodeFinished.objects``); ``exceptions``: whether a failure's exception comes back pickled
     (``EpisodeFailed.exception``); ``record``: whether the workers read each step's agent's action
     and opponent's attack with grid2op's ``to_vect``, as grid2op's Runner does whenever it
     records an episode (``EpisodeData.incr_store``): that call builds the attributes
@@ -83,6 +84,7 @@ class RunSettings:
     spaces: Mapping[str, Any]
     space_files: Mapping[str, bytes]
     files: tuple[str, ...] = ()
+    objects: bool = False
     record: bool = True
     exceptions: bool = False
 
@@ -403,6 +405,7 @@ class Run:
             record=self.settings.record,
             exceptions=self.settings.exceptions,
             files=self.settings.files,
+            objects=self.settings.objects,
             stages={
                 f: stage for (f, mix), stage in self._stages.items() if mix in (None, request.mix)
             },

@@ -81,6 +81,8 @@ class EpisodeJob:
     # A failure's exception sent pickled (``EpisodeFailed.exception``): compat.Runner raises it.
     exceptions: bool = False
     files: tuple[str, ...] = ()  # the episode file formats to build (``sinks._files``)
+    # The steps' grid2op objects sent with the episode's end (``EpisodeFinished.objects``).
+    objects: bool = False
     stages: Mapping[str, str] = field(default_factory=dict)  # where to write them, by format
     agent: str | None = None  # the run's agent, recorded with the saved episodes
     mix: str | None = None

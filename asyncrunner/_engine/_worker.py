@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import io
 import os
 import pickle
 import time
@@ -276,6 +277,8 @@ def _play_on(job: EpisodeJob, env: Any, cached: _Cached, send: Any, progress: li
             raise
         finished = dataclasses.replace(finished, files=files)
         _SPARE.append(keep.release())
+    if batch.objects is not None:
+        finished = dataclasses.replace(finished, objects=_objects_pickled(batch.objects))
     send(*last, finished)  # one write: one wake-up of the orchestrator
 
 
@@ -300,6 +303,60 @@ def _pickled(exc: BaseException) -> bytes | None:
         except Exception:
             return None
     return data if len(data) <= _EXCEPTION_MAX_BYTES else None
+
+
+def _objects_pickled(steps: list[tuple[Any, Any, Any, Any]]) -> bytes:
+    """Each step's agent action, env action, observation and attack, pickled as grid2op's Runner
+    sends its EpisodeData back (``make_serializable``: the observations without their simulator;
+    one pickle: an object kept at several steps stays one). Empty where they cannot be (an
+    action holding a lock...): the orchestrator then builds them from their vectors."""
+    for _, env_action, obs, _ in steps:
+        # grid2op's Runner reads the env's action with ``to_vect`` at its step, which builds
+        # what an action builds on first read; ``Batcher`` reads the same vector without. Built
+        # now: the action changes no more after its step, and building it during the episode
+        # changed which leftover bytes an observation's attributes that grid2op leaves
+        # uninitialized hold (l2rpn_idf_2023's last ``attack_under_alert``: no longer grid2op's).
+        env_action.to_vect()
+        obs._obs_env = None
+        obs._ptr_kwargs_env = None
+    data = io.BytesIO()
+    try:
+        _GridPickler(data, protocol=pickle.HIGHEST_PROTOCOL).dump(steps)
+    except Exception:
+        try:
+            return bytes(cloudpickle.dumps(steps, protocol=pickle.HIGHEST_PROTOCOL))
+        except Exception:
+            return b""
+    return data.getvalue()
+
+
+class _GridPickler(pickle.Pickler):
+    """Pickles grid2op's objects as their ``GridObjects.__reduce__`` does (their class rebuilt
+    by ``init_grid_from_dict_for_pickle`` where it is not found, and their state), with each
+    class's attributes once, not once per object: 2.3 to 7.7 times as fast on a whole episode's
+    steps (case14, l2rpn_idf_2023), and a third of the bytes."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        from grid2op.Space import GridObjects
+
+        if isinstance(obj, type):
+            if issubclass(obj, GridObjects) and "_INIT_GRID_CLS" in vars(obj):  # an env's
+                attributes: dict[str, Any] = {}
+                GridObjects._make_cls_dict_extended(obj, attributes, as_list=False)
+                return _grid_class, (obj.__name__, vars(obj)["_INIT_GRID_CLS"], attributes)
+        elif isinstance(obj, GridObjects) and type(obj).__reduce__ is GridObjects.__reduce__:
+            return _grid_object, (type(obj),), obj.__getstate__()
+        return NotImplemented
+
+
+def _grid_class(name: str, base: type, attributes: dict[str, Any]) -> type:
+    from grid2op.Space import GridObjects
+
+    return type(GridObjects.init_grid_from_dict_for_pickle(name, base, attributes))
+
+
+def _grid_object(cls: Any) -> Any:
+    return cls.__new__(cls)
 
 
 # The arrays of this process's last saved episodes (one per episode played at once), for the

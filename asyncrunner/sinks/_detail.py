@@ -1,13 +1,16 @@
 """``run(add_detailed_output=...)``: grid2op's ``EpisodeData`` of each episode, built from the events.
 
 grid2op's Runner fills an ``EpisodeData`` (or a ``CompactEpisodeData``) in the process that plays
-the episode and sends it back. Here the worker streams the steps as arrays; this sink assembles
-them in the buffers the workers build the episode files from (``EpisodeBuffer``) and builds the
-object, in a worker thread, with the parent's copy of the env's spaces.
+the episode and sends it back. Here the worker streams the steps as arrays, and sends the
+steps' objects (actions, observations...) with the episode's end (``EpisodeFinished.objects``);
+this sink assembles the arrays in the buffers the workers build the episode files from
+(``EpisodeBuffer``) and builds the object, in a worker thread, with the parent's copy of the
+env's spaces.
 """
 
 from __future__ import annotations
 
+import pickle
 import types
 from collections.abc import Callable
 from typing import Any
@@ -108,19 +111,29 @@ def episode_data(env: Any, obs_space: Any, buffer: EpisodeBuffer, finished: Epis
         ambiguous=arrays["ambiguous"],
         has_legal_ambiguous=True,
     )
+    # grid2op's Runner builds the first observation from its vector, and keeps the objects of the
+    # steps (the workers send them: ``EpisodeFinished.objects``).
+    first = obs_space.from_vect(arrays["observations"][0])
+    first._obs_env = None
+    first._ptr_kwargs_env = None
+    episode.observations.objects[0] = first
+    steps = pickle.loads(finished.objects) if finished.objects else None
     for t in range(n):
-        episode.actions.objects[t] = action_space.from_vect(arrays["actions"][t], check_legit=False)
-        episode.env_actions.objects[t] = helper.from_vect(
-            arrays["env_actions"][t], check_legit=False
-        )
-        attack = arrays["attacks"][t]
-        if attack.any():
-            episode.attacks.objects[t] = attack_space.from_vect(attack, check_legit=False)
-    for t in range(n + 1):
-        obs = obs_space.from_vect(arrays["observations"][t])
-        obs._obs_env = None
-        obs._ptr_kwargs_env = None
-        episode.observations.objects[t] = obs
+        if steps is not None:
+            act, env_act, obs, attack = steps[t]
+        else:  # (objects that could not be pickled: built from their vectors)
+            act = action_space.from_vect(arrays["actions"][t], check_legit=False)
+            env_act = helper.from_vect(arrays["env_actions"][t], check_legit=False)
+            obs = obs_space.from_vect(arrays["observations"][t + 1])
+            obs._obs_env = None
+            obs._ptr_kwargs_env = None
+            vector = arrays["attacks"][t]
+            attack = attack_space.from_vect(vector, check_legit=False) if vector.any() else None
+        episode.actions.objects[t] = act
+        episode.env_actions.objects[t] = env_act
+        episode.observations.objects[t + 1] = obs
+        if attack is not None:
+            episode.attacks.objects[t] = attack
     episode.parameters = dict(started.parameters)
     episode.meta = {
         "chronics_path": started.chronics_path,
