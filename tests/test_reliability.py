@@ -509,7 +509,9 @@ async def test_episode_timeout_stops_a_hanging_agent(env: Any) -> None:
     before = children()
     async with AsyncRunner(env, agent=Hangs, workers=2) as runner:
         with anyio.fail_after(120):
-            results = await runner.run(**KWARGS, episode_timeout=0.5, on_error="continue")
+            # The other episodes' 20 steps must fit in it: 0.47 s measured on a busy machine,
+            # against the 0.5 s it was.
+            results = await runner.run(**KWARGS, episode_timeout=3.0, on_error="continue")
         error = results[1].error
         assert error is not None and error.error_type == "EpisodeTimeout"
         assert error.message.endswith("its worker was stopped")
@@ -532,7 +534,9 @@ async def test_episode_timeout_on_an_executor_says_its_task_runs_on(env: Any) ->
     with ThreadPoolExecutor(2) as executor:
         async with AsyncRunner(env, agent=Slow, workers=2, executor=executor) as runner:
             with anyio.fail_after(120):
-                results = await runner.run(**KWARGS, episode_timeout=0.3, on_error="continue")
+                # The other episodes' 20 steps must fit in it: up to 0.7 s measured on a busy
+                # machine, threads of this process (a 0.3 s timeout failed them there).
+                results = await runner.run(**KWARGS, episode_timeout=3.0, on_error="continue")
         error = results[1].error
         assert error is not None and error.error_type == "EpisodeTimeout"
         assert "cannot interrupt a running task: the episode stops at its next batch" in (

@@ -220,5 +220,7 @@ async def test_a_timed_out_episode_names_the_last_step_a_slow_stream_was_given(e
     assert isinstance(result, EpisodeResult) and result.error == failed
     assert failed.error_type == "EpisodeTimeout" and failed.steps_lost
     assert failed.message.endswith("its worker was stopped")
-    assert rows[-1] > 100  # the steps played in its 2.5 s
+    # The steps played in its 2.5 s: many batches (one each 0.1 s) past the first, which the
+    # stream held. (Counted in batches, not steps: a busy machine played fewer than 100.)
+    assert rows[-1] > 5 * rows[0]
     assert failed.step == rows[-1] == sink_rows[-1] == result.nb_time_step
