@@ -246,6 +246,36 @@ async def test_reference_statistics_are_reused_and_invalidated(tmp_path: Path) -
         env.close()
 
 
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_a_cache_reached_by_another_path_is_reused_and_a_damaged_one_computed_again(
+    env: Any, tmp_path: Path
+) -> None:
+    # grid2op signs its statistics under their folder's path: a cache reached through a link,
+    # or moved (restored elsewhere), failed every score after its episodes had played ("Someone
+    # probably moodified it outside of grid2op"); so did an entry that lost a file.
+    async def once(cache: Path) -> Any:
+        (result,) = await asyncrunner.score(
+            env, DoNothingAgent, competition="l2rpn_2020", nb_scenario=1, max_step=5,
+            workers=1, cache_dir=cache,
+        )  # fmt: skip
+        return result
+
+    first = await once(tmp_path / "cache")
+    assert not first.references_reused
+    (tmp_path / "link").symlink_to(tmp_path / "cache")
+    linked = await once(tmp_path / "link")
+    (tmp_path / "cache").rename(tmp_path / "moved")
+    moved = await once(tmp_path / "moved")
+    assert linked.references_reused and moved.references_reused
+    assert linked.as_grid2op() == moved.as_grid2op() == first.as_grid2op()
+    lost = sorted((tmp_path / "moved").glob("*/*/scores.npz"))[0]  # of one reference
+    lost.unlink()
+    again = await once(tmp_path / "moved")
+    assert not again.references_reused and again.as_grid2op() == first.as_grid2op()
+    assert lost.is_file()
+    assert (await once(tmp_path / "moved")).references_reused
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])
 async def test_path_save_keeps_each_agent_and_reference_and_resumes(

@@ -38,7 +38,8 @@ COMPETITIONS = {
     "l2rpn_2023": "ScoreL2RPN2023",
     "icaps_2021": "ScoreICAPS2021",
 }
-# Marks a cache entry grid2op's post-processing finished writing (written last).
+# Marks a cache entry grid2op's post-processing finished writing (written last), with the size
+# of each of its files.
 _COMPLETE = ".asyncrunner_complete"
 
 
@@ -114,7 +115,7 @@ class ScorePlan:
         data = _played_data(env, int(scorer.nb_scenario))
         for ref in refs:
             ref.stats = _stats_for(scorer, ref, cache_root, data, env_seeds, agent_seeds)
-            ref.reused = os.path.isfile(os.path.join(ref.stats.path_save_stats, _COMPLETE))
+            ref.reused = _intact(ref.stats.path_save_stats)
         todo = [ref for ref in refs if not ref.reused]
         if path_save is not None:
             path_save = check_path_save(path_save)
@@ -335,6 +336,14 @@ def _stats_for(
             with open(path if path.endswith(".npz") else f"{path}.npz", "wb") as f:
                 f.write(npz_bytes(data=array))
 
+        # grid2op signs its metadata under its folder's path (less the env's: its statistics
+        # live in the env's folder); a cache entry under its own name: one reached through a
+        # link, or moved (a cache restored elsewhere), failed as "modified outside of grid2op",
+        # after every episode of the score had played.
+        def _get_hash_key_from_path(self, path_total: str) -> str:
+            key: str = super()._get_hash_key_from_path(os.path.basename(path_total))
+            return key
+
         # compute_stats processes the episodes in a private folder, renamed into place after:
         # grid2op's metadata name (and sign, with grid2op's key) the folder the statistics are
         # in, to be the final one.
@@ -432,7 +441,7 @@ def compute_stats(
     from grid2op.Agent import DoNothingAgent
 
     stats = ref.stats
-    if os.path.isfile(os.path.join(stats.path_save_stats, _COMPLETE)):
+    if _intact(stats.path_save_stats):
         return  # completed meanwhile
     with _privately(stats) as folder:
         # compute() rewrites the folder: copy this score's episodes there (path_save keeps them
@@ -455,8 +464,21 @@ def compute_stats(
             agent_seeds=agent_seeds,
         )
         stats.clear_episode_data()
+        sizes = {e.name: e.stat().st_size for e in os.scandir(folder) if e.is_file()}
         with open(os.path.join(folder, _COMPLETE), "w", encoding="utf-8") as f:
-            f.write("written by asyncrunner.score once grid2op's post-processing finished\n")
+            json.dump({"written_by": "asyncrunner.score", "sizes": sizes}, f)
+
+
+def _intact(folder: str) -> bool:
+    """Whether ``folder`` is a cache entry written whole, every file as it was written (a
+    file lost, or an entry of an older version, is computed again: it failed the score after
+    its episodes had played)."""
+    try:
+        with open(os.path.join(folder, _COMPLETE), encoding="utf-8") as f:
+            sizes = json.load(f)["sizes"]
+        return all(os.path.getsize(os.path.join(folder, n)) == s for n, s in sizes.items())
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
 
 
 @contextlib.contextmanager
@@ -489,12 +511,12 @@ def _privately(stats: Any) -> Iterator[str]:
 def _move_into_place(private: str, target: str) -> None:
     """Renames the complete folder ``private`` to ``target`` (atomic), unless ``target`` is
     complete already (another process's, which readers may be using: ``private`` is left for the
-    caller to remove). An incomplete ``target`` (damaged: a crash of an older version, a copy cut
-    short) is replaced. Under a lock on the cache folder, so that no process moves aside what
+    caller to remove). An incomplete ``target`` (damaged: a crash, a copy cut short, a file
+    lost) is replaced. Under a lock on the cache folder, so that no process moves aside what
     another has just renamed into place."""
     parent, base = os.path.split(target)
     with _locked(parent):
-        if os.path.isfile(os.path.join(target, _COMPLETE)):
+        if _intact(target):
             return
         if os.path.lexists(target):
             aside = tempfile.mkdtemp(prefix=f".{base}.{os.getpid()}.damaged.", dir=parent)
