@@ -420,6 +420,10 @@ async def test_a_failing_agent_or_cache_folder_raises_its_own_error(
         await asyncrunner.score(env, FailingAgent, cache_dir=tmp_path / "cache", **kwargs)
     # Agents and references play at once: the error says whose episode it was.
     assert caught.value.__notes__ == ["(scenario 0 of agent 'FailingAgent')"]
+    # The references played on, and were cached (grid2op's class computes them before any
+    # agent plays): the next score reuses them. They were lost with the agent's failure.
+    (result,) = await asyncrunner.score(env, DoNothingAgent, cache_dir=tmp_path / "cache", **kwargs)
+    assert result.references_reused
 
 
 @pytest.mark.slow

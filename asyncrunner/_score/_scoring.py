@@ -148,8 +148,9 @@ async def _play_and_score(
     total = workers if workers is not None else usable_cpus()
     runners = [AsyncRunner(job_env, agent=agent, workers=total) for _, job_env, agent in plan.jobs]
     results: list[Any] = [None] * len(plan.jobs)
+    failed: list[EpisodeError] = []
 
-    async def play(i: int, folder: str) -> None:
+    async def play(i: int, folder: str, agents: anyio.CancelScope | None = None) -> None:
         try:
             results[i] = await runners[i].run(
                 plan.nb,
@@ -161,9 +162,14 @@ async def _play_and_score(
             )
         except EpisodeError as exc:
             # Agents and references play at once: say whose episode it was.
-            whose = "the reference" if i < len(plan.todo) else "agent"
+            whose = "the reference" if agents is None else "agent"
             exc.add_note(f"(scenario {exc.failure.index} of {whose} {folder!r})")
-            raise
+            if agents is None:
+                raise
+            # An agent's failure stops the agents, not the references: their statistics are
+            # cached for the next score (grid2op's classes compute them before any agent).
+            failed.append(exc)
+            agents.cancel()
 
     # One pool for every runner: the references' and the agents' episodes interleave on the
     # same warm workers.
@@ -171,14 +177,20 @@ async def _play_and_score(
     # A run's error comes out as the run raises it (an EpisodeError, ...), not in a group.
     with unwrapped():
         async with sharing_workers(runners, total, resets), anyio.create_task_group() as group:
-            for i, (folder, _, _) in enumerate(plan.jobs):
+            for i, (folder, _, _) in enumerate(plan.jobs[: len(plan.todo)]):
                 group.start_soon(play, i, folder)
+            async with anyio.create_task_group() as agents:
+                for i, (folder, _, _) in enumerate(plan.jobs):
+                    if i >= len(plan.todo):
+                        agents.start_soon(play, i, folder, agents.cancel_scope)
     scorer = plan.scorer
     for ref, episodes in zip(plan.todo, results, strict=False):
         await anyio.to_thread.run_sync(
             compute_stats, scorer, ref, os.path.join(plan.root, ref.name), episodes, env_seeds,
             agent_seeds,
         )  # fmt: skip
+    if failed:
+        raise failed[0]
     for ref in plan.refs:
         setattr(scorer, ref.attr, ref.stats)
     scored = []
