@@ -177,12 +177,12 @@ async def _play_and_score(
     # A run's error comes out as the run raises it (an EpisodeError, ...), not in a group.
     with unwrapped():
         async with sharing_workers(runners, total, resets), anyio.create_task_group() as group:
-            for i, (folder, _, _) in enumerate(plan.jobs[: len(plan.todo)]):
+            n = len(plan.todo)
+            for i, (folder, _, _) in enumerate(plan.jobs[:n]):
                 group.start_soon(play, i, folder)
             async with anyio.create_task_group() as agents:
-                for i, (folder, _, _) in enumerate(plan.jobs):
-                    if i >= len(plan.todo):
-                        agents.start_soon(play, i, folder, agents.cancel_scope)
+                for i, (folder, _, _) in enumerate(plan.jobs[n:], start=n):
+                    agents.start_soon(play, i, folder, agents.cancel_scope)
     scorer = plan.scorer
     for ref, episodes in zip(plan.todo, results, strict=False):
         await anyio.to_thread.run_sync(
