@@ -409,13 +409,15 @@ def test_score_refusals_are_one_line_before_any_episode(
         capsys,
         prog="score",
     )
-    # grid2op's class refuses the env (no alarms on l2rpn_case14_sandbox).
-    _usage_error(
+    # grid2op's class refuses the env (no alarms on l2rpn_case14_sandbox), saying to change its
+    # reward class: which env to score instead.
+    line = _usage_error(
         [*score, "--competition", "icaps_2021", "--cache-dir", str(tmp_path / "cache")],
         "icaps_2021 on this env: Grid2OpException",  # then grid2op's words (they vary)
         capsys,
         prog="score",
     )
+    assert line.endswith("an env with an attention budget, such as l2rpn_icaps_2021.")
 
 
 # --- item 7: failures that say what happened and where the traceback is -------------------------

@@ -175,7 +175,8 @@ def main(argv: Sequence[str]) -> int:
         print(f"asyncrunner score: {str(exc).rstrip()}{notes}", file=sys.stderr)
         return 1
     except Grid2OpException as exc:  # the competition's class refused the env (before any episode)
-        parser.error(f"{args.competition} on this env: {exc}")
+        notes = "".join(f" {note}." for note in getattr(exc, "__notes__", ()))
+        parser.error(f"{args.competition} on this env: {exc}{notes}")
     except KeyboardInterrupt as exc:
         again = " (add --resume to complete it)" if args.save else ""
         terminated = exc if isinstance(exc, Terminated) else None

@@ -128,9 +128,17 @@ class ScorePlan:
                 jobs.append((ref.name, _scored_env(env, scorer, params, envs), agent))
             for label, agent in zip(labels, agents, strict=True):
                 jobs.append((label, _scored_env(env, scorer, env.parameters, envs), agent))
-        except BaseException:  # the score functions refuse the env (icaps_2021 without alarms)
+        except (
+            BaseException
+        ) as exc:  # the score functions refuse the env (icaps_2021 without alarms)
             for built in envs.values():
                 built.close()
+            if competition == "icaps_2021" and not getattr(env, "_has_attention_budget", True):
+                # (grid2op's message says to change the env's reward class)
+                exc.add_note(
+                    "icaps_2021 scores the alarms of an env with an attention budget, such as "
+                    "l2rpn_icaps_2021"
+                )
             raise
         tmp = None
         if path_save is None:
