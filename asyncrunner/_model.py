@@ -95,7 +95,9 @@ class RunStarted:
     ``spaces`` holds the files' dicts (this run's own: a sink changing them changes no other
     run), ``space_files`` the files themselves, as the episode writers write them. ``agent``
     names the agent that plays (its class or factory, see ``AsyncRunner``): the episode writers
-    record it, and ``resume`` matches on it.
+    record it, and ``resume`` matches on it. ``mixes``: the mixes of a ``MultiMixEnvironment``
+    (empty for any other env); the episode writers save each mix in a folder of its own
+    (``<path>/<mix>``, with the space files), as ``path_save`` and grid2op's users do.
     """
 
     run_id: str
@@ -103,6 +105,7 @@ class RunStarted:
     spaces: Mapping[str, Any] = field(repr=False)
     agent: str | None = None
     space_files: Mapping[str, bytes] = field(default_factory=dict, repr=False)
+    mixes: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

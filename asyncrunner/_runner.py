@@ -40,7 +40,6 @@ from ._pools._executor import ExecutorPool
 from ._pools._fork import ForkPool, available, forked
 from ._pools._process import ProcessPool
 from .sinks._base import Sink
-from .sinks._mix import OnlyMix
 from .sinks._writer import json_bytes
 
 __all__ = ["AsyncRunner", "RunOptions"]
@@ -595,13 +594,8 @@ class AsyncRunner(AsyncResource):
         if path_save is not None:
             from .sinks import EpisodeDataWriter
 
-            if self._mixes is None:
-                all_sinks.append(EpisodeDataWriter(path_save))
-            else:  # grid2op's layout, one folder per mix: path_save/<mix>/<chronic>
-                mix_of = {r.index: r.mix for r in requests}
-                for mix in self._mixes:
-                    writer = EpisodeDataWriter(os.path.join(path_save, mix))
-                    all_sinks.append(OnlyMix(writer, mix, mix_of))
+            # (on a multimix env, grid2op's layout: path_save/<mix>/<chronic>, the writer's)
+            all_sinks.append(EpisodeDataWriter(path_save))
         if pbar:
             from .sinks import ProgressBar
 

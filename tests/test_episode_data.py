@@ -513,7 +513,7 @@ async def test_same_chronic_twice_gets_two_folders(case14: dict[str, Any], tmp_p
     assert _hidden(tmp_path) == []
 
 
-class _CountedSet(set[str]):
+class _CountedSet(set[tuple[str | None, str]]):
     """A set that counts the lookups made in it."""
 
     lookups = 0

@@ -8,12 +8,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from grid2op.Episode import EpisodeData
+from grid2op.Episode import CompactEpisodeData, EpisodeData
 from grid2op.Runner import Runner as GridRunner
 
 import asyncrunner
 from asyncrunner import AsyncRunner, compat
-from asyncrunner.sinks import _writer
+from asyncrunner.sinks import CompactEpisodeWriter, EpisodeDataWriter, _writer
+from asyncrunner.sinks._compact import COMPACT_FOLDER
 
 from .conftest import make_env
 from .helpers import SampleAgent, grid2ops, quiet, starts
@@ -84,6 +85,37 @@ async def test_one_run_covers_every_mix(
     assert sorted(os.listdir(tmp_path)) == MIXES
 
 
+@pytest.mark.anyio
+async def test_writers_given_as_sinks_keep_one_folder_per_mix(
+    multimix: Any, expected: dict[str, tuple[Any, ...]], tmp_path: Path
+) -> None:
+    """A user's EpisodeDataWriter or CompactEpisodeWriter saves a multimix run as path_save
+    does: ``<path>/<mix>``, with the space files. Both put every mix's episodes in one folder
+    (x2.5's "001" in "001_1", found by a hunt), with one set of space files."""
+    data, compact = tmp_path / "data", tmp_path / "compact"
+    sinks = [EpisodeDataWriter(data), CompactEpisodeWriter(compact)]
+    async with AsyncRunner(multimix, agent=SampleAgent, workers=2) as runner:
+        results = await runner.run(1, path_save=tmp_path / "saved", sinks=sinks, **KWARGS)
+    assert [r.as_tuple() for r in results] == [expected[m] for m in MIXES]
+    assert sorted(os.listdir(data)) == sorted(os.listdir(compact)) == MIXES  # nothing else
+    for r in results:
+        assert r.mix is not None and r.name is not None
+        saved = tmp_path / "saved" / r.mix
+        assert sorted(os.listdir(data / r.mix)) == sorted(os.listdir(saved))
+        assert EpisodeData.list_episode(str(data / r.mix)) == [(str(data / r.mix), r.name)]
+        for space in [f for f in os.listdir(saved) if f.startswith("dict_")]:
+            assert (data / r.mix / space).read_bytes() == (saved / space).read_bytes()
+            assert (compact / r.mix / COMPACT_FOLDER / space).read_bytes() == (
+                saved / space
+            ).read_bytes()
+        on_disk = quiet(EpisodeData.from_disk, str(data / r.mix), r.name)
+        assert on_disk.meta["chronics_path"] == r.chronics_path
+        assert len(on_disk.actions) == 4
+        episode = quiet(CompactEpisodeData.from_disk, compact / r.mix, r.name)
+        assert episode.meta["chronics_path"] == r.name
+        assert episode.meta["nb_timestep_played"] == 4
+
+
 @pytest.mark.slow  # a compat Runner and its workers per mix
 def test_compat_runner_on_each_mix(multimix: Any, expected: dict[str, tuple[Any, ...]]) -> None:
     # grid2op's documented way: one Runner per mix. A mix after the first
@@ -136,8 +168,8 @@ async def test_a_score_of_a_multimix_env_says_to_score_each_mix(
 async def test_each_mixs_episodes_are_written_by_the_workers(
     multimix: Any, expected: dict[str, tuple[Any, ...]], tmp_path: Path, monkeypatch: Any
 ) -> None:
-    """One writer per mix (``path_save/<mix>``): the workers write each mix's episodes in its
-    writer's stage, and this process writes none of their files."""
+    """path_save's writer saves each mix in ``path_save/<mix>``: the workers write every mix's
+    episodes in its stage, and this process writes none of their files."""
     written: list[str] = []
     write_files = _writer.write_files
 

@@ -36,7 +36,6 @@ from .._model import (
     StepBatch,
 )
 from ..sinks._base import Sink
-from ..sinks._mix import OnlyMix
 from ..sinks._writer import Writer
 from ._central import CentralAgent, serving
 from ._channel import Channel, open_channel, receive_soon, send_soon
@@ -124,8 +123,8 @@ class Run:
         self._watchdogs: dict[tuple[int, int], anyio.CancelScope] = {}
         self._remaining = len(self.requests)
         self._agent: Any = None  # the CentralAgent's server during execute, if any
-        # Where the workers write the files, by format and mix (``_make_stages``).
-        self._stages: dict[tuple[str, str | None], str] = {}
+        # Where the workers write the files, by format (``_make_stages``).
+        self._stages: dict[str, str] = {}
 
     async def execute(
         self, out: MemoryObjectSendStream[Event] | None = None
@@ -181,6 +180,7 @@ class Run:
                                         settings.spaces,
                                         settings.agent,
                                         settings.space_files,
+                                        tuple(m for m in settings.recipes if m is not None),
                                     )
                                 )
                                 await self._dispatch_and_collect(channel, emit)
@@ -216,25 +216,21 @@ class Run:
             raise EpisodeError(self.failure, [r for r in results if r.error is None])
         return results
 
-    async def _make_stages(self) -> dict[tuple[str, str | None], str]:
-        """Where the workers write each format's files themselves (``Writer.stage``), by format
-        and mix (``None``: every mix): when they run on this machine (the channel is a Unix
-        socket) and one writer saves that format, or one per mix (``OnlyMix``)."""
-        stages: dict[tuple[str, str | None], str] = {}
+    async def _make_stages(self) -> dict[str, str]:
+        """Where the workers write each format's files themselves (``Writer.stage``), by
+        format: when they run on this machine (the channel is a Unix socket) and one writer
+        saves that format."""
+        stages: dict[str, str] = {}
         if self.pool.listen is not None:
             return stages  # workers elsewhere: the files travel with EpisodeFinished
         for fmt in self.settings.files:
-            writers = [_writer_of(s) for s in self.sinks if s.episode_format == fmt]
-            mixes = [mix for mix, _ in writers]
-            if len(set(mixes)) < len(mixes) or (None in mixes and len(mixes) > 1):
-                continue  # two writers would get one episode's files
-            for mix, writer in writers:
-                if writer is None:
-                    continue  # a sink of its own: that mix's episodes send the bytes
-                try:
-                    stages[(fmt, mix)] = await anyio.to_thread.run_sync(writer.stager())
-                except OSError:
-                    pass  # the writer writes the files, and says why it cannot
+            writers = [s for s in self.sinks if s.episode_format == fmt]
+            if len(writers) != 1 or not isinstance(writers[0], Writer):
+                continue  # two writers would get one episode's files; a sink of its own
+            try:
+                stages[fmt] = await anyio.to_thread.run_sync(writers[0].stager())
+            except OSError:
+                pass  # the writer writes the files, and says why it cannot
         return stages
 
     def _env_of(self, index: int) -> Any:
@@ -406,9 +402,7 @@ class Run:
             exceptions=self.settings.exceptions,
             files=self.settings.files,
             objects=self.settings.objects,
-            stages={
-                f: stage for (f, mix), stage in self._stages.items() if mix in (None, request.mix)
-            },
+            stages=self._stages,
             agent=self.settings.agent,
             mix=request.mix,
         )
@@ -566,14 +560,6 @@ def _one_run_each(sinks: Sequence[Sink]) -> Iterator[None]:
     finally:
         with _BUSY_LOCK:
             _BUSY.difference_update(ids)
-
-
-def _writer_of(sink: Sink) -> tuple[str | None, Writer | None]:
-    """The mix ``sink`` saves (``None``: every mix) and its ``Writer``, if it is one."""
-    mix = None
-    if isinstance(sink, OnlyMix):
-        mix, sink = sink.mix, sink.sink
-    return mix, sink if isinstance(sink, Writer) else None
 
 
 def _read_only(event: EpisodeStarted | StepBatch) -> None:

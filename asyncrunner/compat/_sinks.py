@@ -20,8 +20,8 @@ class ReplacingWriter(EpisodeDataWriter):
     (atomically); what else that folder holds (a replay's ``.gif``, your notes) is kept, as
     grid2op, which writes its files over the old ones, keeps it."""
 
-    def _move_into_place(self, folder: str, name: str) -> str:
-        target = os.path.join(self.path, name)
+    def _move_into_place(self, folder: str, name: str, mix: str | None = None) -> str:
+        target = os.path.join(self._folder(mix), name)
         if os.path.lexists(target) and not os.path.isdir(target):
             # A file of that name (yours): grid2op fails to write into it; never replace it.
             raise NotADirectoryError(errno.ENOTDIR, "Not a directory", target)
@@ -95,9 +95,13 @@ class ReplacingWriter(EpisodeDataWriter):
 class ReplacingCompactWriter(CompactEpisodeWriter):
     """grid2op's compact saving: an episode replaces the files of its chronic's name."""
 
-    def _move_into_place(self, tmp_meta: str, tmp_npz: str, name: str) -> str:
-        meta_path = os.path.join(self.folder, f"{name}_metadata.json")
-        npz_path = os.path.join(self.folder, f"{name}.npz")
+    def _move_into_place(
+        self, tmp_meta: str, tmp_npz: str, name: str, mix: str | None = None
+    ) -> str:
+        into = self._folder(mix)
+        os.makedirs(into, exist_ok=True)
+        meta_path = os.path.join(into, f"{name}_metadata.json")
+        npz_path = os.path.join(into, f"{name}.npz")
         with self._lock:
             os.replace(tmp_meta, meta_path)
             os.replace(tmp_npz, npz_path)

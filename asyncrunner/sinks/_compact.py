@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import errno
 import os
-from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 
 from .._model import EpisodeFinished, EpisodeStarted
-from .._plan._layout import SPACE_FILES, sync
+from .._plan._layout import sync
 from ._buffer import EpisodeBuffer
 from ._npz import Padded, npz_bytes
 from ._writer import Writer, json_bytes
@@ -39,6 +38,9 @@ class CompactEpisodeWriter(Writer):
     place, the ``.npz`` last, so an episode is listed only once complete. Nothing is
     overwritten: ``<name>`` is the chronic's name unless taken (by an earlier run or the same
     chronic played earlier in this run), then ``<name>_<k>`` with the smallest free ``k >= 1``.
+    On a ``MultiMixEnvironment`` each mix's go to ``path/<mix>/CompactEpisodeData/`` (as
+    ``Runner(**mix.get_params_for_runner(), ...).run(path_save=path/<mix>)`` saves them), read
+    with ``CompactEpisodeData.from_disk(path/<mix>, name)``.
 
     ``paths`` maps each saved episode's request index to its ``.npz`` file. The files are built
     (and, on this machine, written) by the worker that played the episode
@@ -49,24 +51,27 @@ class CompactEpisodeWriter(Writer):
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         super().__init__(path)
-        self.folder = os.path.join(self.path, COMPACT_FOLDER)
-        self._work = self.folder
+        self.folder = self._folder(None)
 
-    def _write_spaces(self, files: Mapping[str, bytes]) -> None:
-        self._write_json_once(self.folder, files, SPACE_FILES)
+    def _folder(self, mix: str | None) -> str:
+        return os.path.join(super()._folder(mix), COMPACT_FOLDER)
 
     def _place(self, started: EpisodeStarted, folder: str) -> str:
         meta, npz = (os.path.join(folder, name) for name in ("metadata.json", "episode.npz"))
-        target = self._move_into_place(meta, npz, started.name)
-        sync([self.folder])  # the renames
+        target = self._move_into_place(meta, npz, started.name, started.mix)
+        sync([os.path.dirname(target)])  # the renames
         return target
 
-    def _move_into_place(self, tmp_meta: str, tmp_npz: str, name: str) -> str:
-        names = self._names(name, ending="_metadata.json")  # endless
+    def _move_into_place(
+        self, tmp_meta: str, tmp_npz: str, name: str, mix: str | None = None
+    ) -> str:
+        into = self._folder(mix)
+        os.makedirs(into, exist_ok=True)
+        names = self._names(name, ending="_metadata.json", mix=mix)  # endless
         while True:
             candidate = next(names)
-            meta_path = os.path.join(self.folder, f"{candidate}_metadata.json")
-            npz_path = os.path.join(self.folder, f"{candidate}.npz")
+            meta_path = os.path.join(into, f"{candidate}_metadata.json")
+            npz_path = os.path.join(into, f"{candidate}.npz")
             if os.path.lexists(npz_path):
                 continue
             if not _move_unless_taken(tmp_meta, meta_path):

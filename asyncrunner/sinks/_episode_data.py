@@ -9,14 +9,12 @@ from __future__ import annotations
 
 import hashlib
 import os
-from collections.abc import Mapping
 
 from .._model import EpisodeFinished, EpisodeStarted
 from .._plan._layout import (
     NAME_TAKEN,
     RECORD_FILE,
     RECORD_FORMAT,
-    SPACE_FILES,
     sync,
 )
 from ._buffer import EpisodeBuffer
@@ -47,6 +45,10 @@ class EpisodeDataWriter(Writer):
     does) unless that name is taken, by an earlier run in ``path`` or by the same chronic played
     earlier in this run; it then goes to ``<name>_<k>`` with the smallest free ``k >= 1``.
 
+    On a ``MultiMixEnvironment`` each mix gets its own folder, ``path/<mix>``, as grid2op's
+    users save one (one Runner per mix), with the space files and that mix's episodes: what
+    ``path_save`` writes, and what ``EpisodeData.list_episode(path/<mix>)`` reads.
+
     ``paths`` maps each saved episode's request index to its folder. The files are built by the
     worker that played the episode (``EpisodeFinished.files``), which also writes them when it
     runs on this machine; this sink places them (and writes them, otherwise), in a thread.
@@ -54,19 +56,18 @@ class EpisodeDataWriter(Writer):
 
     episode_format = "episode_data"
 
-    def _write_spaces(self, files: Mapping[str, bytes]) -> None:
-        self._write_json_once(self.path, files, SPACE_FILES)
-
     def _place(self, started: EpisodeStarted, folder: str) -> str:
-        target = self._move_into_place(folder, started.name)
-        sync([self.path])  # the rename
+        target = self._move_into_place(folder, started.name, started.mix)
+        sync([os.path.dirname(target)])  # the rename
         return target
 
-    def _move_into_place(self, folder: str, name: str) -> str:
-        names = self._names(name)  # endless
+    def _move_into_place(self, folder: str, name: str, mix: str | None = None) -> str:
+        into = self._folder(mix)
+        os.makedirs(into, exist_ok=True)
+        names = self._names(name, mix=mix)  # endless
         while True:
             candidate = next(names)
-            target = os.path.join(self.path, candidate)
+            target = os.path.join(into, candidate)
             if os.path.lexists(target):
                 continue
             try:

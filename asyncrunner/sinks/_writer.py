@@ -14,7 +14,7 @@ import secrets
 import shutil
 import socket
 import threading
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import anyio
@@ -30,6 +30,7 @@ from .._model import (
     Staged,
 )
 from .._plan._layout import (
+    SPACE_FILES,
     suffixed,
     sync,
 )
@@ -54,6 +55,11 @@ class Writer(Sink):
     build them from the steps they play, so the steps themselves are not needed here. Workers on
     this machine also write them, in this writer's ``stage``, and send only where (``Staged``):
     this sink then only moves them into place.
+
+    On a ``MultiMixEnvironment`` (``RunStarted.mixes``) each mix's episodes go to a folder of
+    its own, ``path/<mix>`` (``_folder``), with the space files: grid2op's layout, as its users
+    save a multimix env with one Runner per mix, and ``path_save``'s. Work in progress stays in
+    ``path`` itself.
     """
 
     needs_steps = False
@@ -69,11 +75,11 @@ class Writer(Sink):
             raise ValueError(f"cannot save episodes in {path!r}: it exists and is not a folder")
         self.path = path
         self.agent: str | None = None  # the run's agent, recorded with each episode
-        self._work = path  # where work in progress goes
         self.paths: dict[int, str] = {}
         self._open: dict[tuple[str, int], EpisodeStarted] = {}  # episode attempts playing
-        self._reserved: set[str] = set()
-        self._next_k: dict[str, int] = {}  # per chronic, the suffix its next name starts from
+        self._reserved: set[tuple[str | None, str]] = set()  # (mix, name) given
+        # per mix and chronic, the suffix its next name starts from
+        self._next_k: dict[tuple[str | None, str], int] = {}
         self._tmp: set[str] = set()
         self._spared: set[str] = set()  # work in progress never removed (``spare``)
         self._stage: str | None = None
@@ -83,13 +89,14 @@ class Writer(Sink):
     # --- to implement -----------------------------------------------------------------------
 
     @abc.abstractmethod
-    def _write_spaces(self, files: Mapping[str, bytes]) -> None:
-        """Write the run's space files (``RunStarted.space_files``; in a thread)."""
-
-    @abc.abstractmethod
     def _place(self, started: EpisodeStarted, folder: str) -> str:
-        """Move the episode's files, flushed to the disk in ``folder``, into place (in a
-        thread); returns where it is saved."""
+        """Move the episode's files, flushed to the disk in ``folder``, into place (in
+        ``_folder(started.mix)``, in a thread); returns where it is saved."""
+
+    def _folder(self, mix: str | None) -> str:
+        """Where the episodes of ``mix`` and their space files go: ``path``, or ``path/<mix>``
+        for a mix of a ``MultiMixEnvironment``."""
+        return self.path if mix is None else os.path.join(self.path, mix)
 
     @property
     def saved(self) -> Mapping[int, str]:
@@ -101,7 +108,7 @@ class Writer(Sink):
         if isinstance(event, RunStarted):
             self.paths = {}
             self.agent = event.agent
-            await anyio.to_thread.run_sync(self._start, event.space_files)
+            await anyio.to_thread.run_sync(self._start, event.space_files, event.mixes)
         elif isinstance(event, EpisodeStarted):
             self._open[(event.run_id, event.index)] = event
         elif isinstance(event, EpisodeFinished | EpisodeFailed):
@@ -138,10 +145,10 @@ class Writer(Sink):
     def _stage_unless_closed_since(self, closes: int) -> str:
         with self._lock:
             if self._closes != closes:
-                raise OSError(f"{self._work}: the writer closed before its stage was made")
+                raise OSError(f"{self.path}: the writer closed before its stage was made")
             if self._stage is not None:
                 return self._stage
-        stage = self._new_tmp(self._work)
+        stage = self._new_tmp(self.path)
         os.makedirs(stage)
         with self._lock:
             if self._closes == closes:
@@ -149,7 +156,7 @@ class Writer(Sink):
                 return stage
         # Closed meanwhile: its leftovers may have been taken before the folder was made.
         self._remove([stage])
-        raise OSError(f"{self._work}: the writer closed while its stage was made")
+        raise OSError(f"{self.path}: the writer closed while its stage was made")
 
     async def aclose(self) -> None:
         """Forget unfinished episodes and remove any work-in-progress left on disk."""
@@ -163,17 +170,20 @@ class Writer(Sink):
 
     # --- file helpers (run in a worker thread) ----------------------------------------------
 
-    def _start(self, space_files: Mapping[str, bytes]) -> None:
-        self._remove_stale()
+    def _start(self, space_files: Mapping[str, bytes], mixes: Sequence[str]) -> None:
+        folders = [self._folder(mix) for mix in mixes] or [self._folder(None)]
+        # (in the mixes' and the episodes' folders too: where older versions worked)
+        self._remove_stale(dict.fromkeys([self.path, self._folder(None), *folders]))
         if space_files:
-            self._write_spaces(space_files)
+            for folder in folders:
+                self._write_json_once(folder, space_files, SPACE_FILES)
 
     def _write_episode(self, started: EpisodeStarted, files: Mapping[str, bytes] | Staged) -> str:
         if isinstance(files, Staged):
             tmp = folder = files.folder
         else:
-            os.makedirs(self._work, exist_ok=True)
-            tmp = self._new_tmp(self._work)
+            os.makedirs(self.path, exist_ok=True)
+            tmp = self._new_tmp(self.path)
             os.mkdir(tmp)
             # Nested one level down: a complete temporary folder is never a child of ``path``.
             folder = os.path.join(tmp, "episode")
@@ -183,18 +193,15 @@ class Writer(Sink):
         finally:
             self._remove([tmp])
 
-    def _remove_stale(self) -> None:
-        """Remove the work in progress of runs whose process is gone (killed mid-write)."""
-        try:
-            entries = os.listdir(self._work)
-        except (FileNotFoundError, NotADirectoryError):
-            return
+    def _remove_stale(self, folders: Iterable[str]) -> None:
+        """Remove the work in progress of runs whose process is gone (killed mid-write) in
+        ``folders``."""
         stale = []
-        for entry in entries:
+        for folder, entry in _entries(folders):
             owner = _TMP_OWNER.match(entry)
             if owner is None or owner.group(1) != _HOST:
                 continue  # an older version's, or another machine's (a shared folder)
-            path = os.path.join(self._work, entry)
+            path = os.path.join(folder, entry)
             pid = int(owner.group(2))
             if pid == os.getpid():
                 with _LIVE_LOCK:
@@ -246,9 +253,10 @@ class Writer(Sink):
             with _LIVE_LOCK:
                 _LIVE.discard(p)
 
-    def _names(self, name: str, ending: str = "") -> Iterator[str]:
-        """``name``, ``name_1``, ``name_2``, ...: the names not reserved yet by this writer, each
-        reserved as it is given (the caller skips one taken on the disk and asks for the next).
+    def _names(self, name: str, ending: str = "", mix: str | None = None) -> Iterator[str]:
+        """``name``, ``name_1``, ``name_2``, ...: the names not reserved yet by this writer in the
+        folder of ``mix``, each reserved as it is given (the caller skips one taken on the disk
+        and asks for the next).
 
         Each chronic's search starts after the last name given for it: the k-th episode of a
         chronic tries one or two names, not k (300 episodes of two chronics probed about 75 names
@@ -256,14 +264,15 @@ class Writer(Sink):
         the files named after it is cut short before the suffix (``suffixed``): its chronic is in
         its meta.
         """
+        folder = self._folder(mix)
         while True:
             with self._lock:
-                k = self._next_k.get(name, 0)
-                self._next_k[name] = k + 1
-                candidate = suffixed(self._work, name, "" if k == 0 else f"_{k}", ending)
-                if candidate in self._reserved:  # another chronic's name (a chronic "000_1")
+                k = self._next_k.get((mix, name), 0)
+                self._next_k[(mix, name)] = k + 1
+                candidate = suffixed(folder, name, "" if k == 0 else f"_{k}", ending)
+                if (mix, candidate) in self._reserved:  # another chronic's (a chronic "000_1")
                     continue
-                self._reserved.add(candidate)
+                self._reserved.add((mix, candidate))
             yield candidate
 
     def _write_json_once(
@@ -316,6 +325,17 @@ def stage_files(stage: str, files: Mapping[str, bytes]) -> Staged:
     folder = os.path.join(stage, secrets.token_hex(8))
     write_files(folder, files)
     return Staged(folder)
+
+
+def _entries(folders: Iterable[str]) -> Iterator[tuple[str, str]]:
+    """Each entry of each of ``folders`` that exists, as ``(folder, name)``."""
+    for folder in folders:
+        try:
+            names = os.listdir(folder)
+        except (FileNotFoundError, NotADirectoryError):
+            continue
+        for name in names:
+            yield folder, name
 
 
 def _alive(pid: int) -> bool:
