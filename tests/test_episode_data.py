@@ -456,6 +456,42 @@ async def test_opponent_env_saves_what_grid2op_saves(icaps: dict[str, Any], tmp_
     _assert_same_compact(icaps["compact"], tmp_path / "compact")
 
 
+async def test_compact_episodes_without_limit_say_the_chronics_length(
+    case14: dict[str, Any], tmp_path: Path
+) -> None:
+    # max_iter=-1 resets with "max step": -1, which leaves env.max_episode_duration() at -1: the
+    # metadata gave the episode -1 as its length, and len() of it read back raised (grid2op's
+    # Runner fails there: found by a hunt). Now the chronic's length, as the EpisodeData meta
+    # says it: what grid2op's Runner writes with no max_iter (the same episode here).
+    kwargs: dict[str, Any] = dict(nb_episode=1, episode_id=[0], env_seeds=[1], agent_seeds=[3])
+    _grid2op_run(case14["env"], RandomAgent, tmp_path / "grid2op", True, **kwargs)
+    async with AsyncRunner(case14["env"], agent=RandomAgent, workers=1) as runner:
+        (result,) = await runner.run(
+            max_iter=-1,
+            path_save=tmp_path / "full",
+            sinks=[CompactEpisodeWriter(tmp_path / "compact")],
+            add_detailed_output="compact",
+            **kwargs,
+        )
+    assert result.nb_time_step == 3 and result.max_ts == 575 and result.name == "0000"
+    meta = _json(tmp_path / "full" / "0000" / "episode_meta.json")
+    assert int(meta["chronics_max_timestep"]) == 575
+    theirs, ours = tmp_path / "grid2op" / COMPACT_FOLDER, tmp_path / "compact" / COMPACT_FOLDER
+    assert _json(ours / "0000_metadata.json") == _json(theirs / "0000_metadata.json")
+    with np.load(ours / "0000.npz") as x, np.load(theirs / "0000.npz") as y:
+        for key in COMPACT_ARRAYS:  # (the observations' max_step is -1 here, as in grid2op)
+            assert x[key].shape == y[key].shape, key
+            if key != "observations":
+                _assert_same_array(x[key], y[key], key)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        loaded = CompactEpisodeData.from_disk(tmp_path / "compact", "0000")
+    assert len(loaded) == 575 and loaded.meta["nb_timestep_played"] == 3
+    # add_detailed_output="compact": as grid2op's in memory, its length the game over's step
+    assert result.episode_data.meta["game_over_timestep"] == 575
+    assert len(result.episode_data) == 3
+
+
 # --- never overwrite ----------------------------------------------------------------------------
 
 

@@ -31,8 +31,9 @@ class CompactEpisodeWriter(Writer):
     per episode, ``<name>_metadata.json`` and ``<name>.npz``; it loads with
     ``CompactEpisodeData.from_disk(path, name)`` and is listed by
     ``CompactEpisodeData.list_episode(Path(path, "CompactEpisodeData"))``. (The metadata's
-    ``game_over_timestep`` is the episode's maximum length, as grid2op records it;
-    ``nb_timestep_played`` is the steps played.)
+    ``game_over_timestep`` is the episode's maximum length, as grid2op records it, the
+    chronic's with ``max_iter=-1`` (``compact_duration``); ``nb_timestep_played`` is the steps
+    played.)
 
     Both files are written in a hidden temporary folder, flushed to the disk and moved into
     place, the ``.npz`` last, so an episode is listed only once complete. Nothing is
@@ -83,9 +84,22 @@ class CompactEpisodeWriter(Writer):
             return npz_path
 
 
+def compact_duration(started: EpisodeStarted) -> int:
+    """The episode's maximum length, as grid2op's CompactEpisodeData records it
+    (``env.max_episode_duration()``). After a reset with ``"max step": -1`` (``max_iter=-1``)
+    that is -1, with which grid2op's Runner fails (numpy's "negative dimensions are not
+    allowed") and which ``len()`` of the episode read back refused: the chronic's length, as
+    the EpisodeData format's meta has it (an endless chronic's: no limit, as
+    ``max_episode_duration()`` says without ``max_iter``)."""
+    duration = int(started.max_episode_duration)
+    if duration < 0:
+        return started.max_ts if started.max_ts > 0 else _NO_LIMIT
+    return duration
+
+
 def compact_capacity(started: EpisodeStarted) -> int:
     """Rows grid2op's CompactEpisodeData preallocates: the episode's maximum length, if any."""
-    duration = started.max_episode_duration
+    duration = compact_duration(started)
     return duration if 0 < duration < _NO_LIMIT else 0
 
 
@@ -106,7 +120,7 @@ def compact_content(
     arrays = buffer.padded(compact_capacity(started))
     names = list(started.other_reward_names)
     order = sorted(range(len(names)), key=names.__getitem__)
-    duration = int(started.max_episode_duration)
+    duration = compact_duration(started)
     meta = {
         "chronics_path": started.name,
         "chronics_max_timestep": duration,
