@@ -777,6 +777,30 @@ def test_max_iter_minus_one_plays_without_limit_as_grid2op(made_with: dict[str, 
     assert head(results) == head(expected) and results[0][3] > 5
 
 
+@pytest.mark.parametrize(
+    ("call", "kwargs"),
+    [
+        ("run", dict(nb_episode=1, max_iter=-1)),
+        ("run", dict(nb_episode=2, nb_process=2, reset_options={"max step": -1})),
+        ("run_one_episode", dict(max_iter=-1, detailed_output=True)),
+    ],
+)
+def test_compact_episodes_without_limit_fail_as_in_grid2op(
+    env: Any, tmp_path: Path, call: str, kwargs: dict[str, Any]
+) -> None:
+    # grid2op's CompactEpisodeData preallocates env.max_episode_duration() rows, -1 after a reset
+    # with "max step": -1: its Runner raises numpy's ValueError. compat played and saved them,
+    # with -1 as their length, which len() of the episode read back refused (found by a hunt).
+    theirs = grid_runner(env, agentClass=DoNothingAgent, use_compact_episode_data=True)
+    with pytest.raises(ValueError) as expected:
+        grid2ops(getattr(theirs, call), **kwargs)
+    ours = compat_runner(env, agentClass=DoNothingAgent, use_compact_episode_data=True)
+    with pytest.raises(ValueError) as raised:
+        quiet(getattr(ours, call), **kwargs, path_save=tmp_path)
+    assert str(raised.value) == str(expected.value) == "negative dimensions are not allowed"
+    assert not any(tmp_path.rglob("*.npz"))  # before any episode played
+
+
 class NoValueReward(BaseReward):  # type: ignore[misc]  # grid2op is untyped
     """A reward that forgot its ``return``: grid2op's EpisodeData records -inf."""
 

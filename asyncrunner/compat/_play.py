@@ -58,11 +58,11 @@ def play(
         max_iter = env._aux_check_max_iter(max_iter)
     core_options = reset_options_for_core(options, max_iter, init_states)
     ids = [chronic_id(ep_id, env) for ep_id in ids]
-    check_resets(env, core_options, init_states)
+    compact = bool(runner.use_compact_episode_data)
+    check_resets(env, core_options, init_states, compact=compact)
     env_seeds = [env_seed(seed) for seed in env_seeds]
     # numpy's RandomState, which seeds grid2op's agents, takes a bool as 0 / 1
     agent_seeds = [int(s) if isinstance(s, (bool, np.bool_)) else s for s in agent_seeds]
-    compact = bool(runner.use_compact_episode_data)
     sinks: list[Sink] = []
     if path_save is not None:
         writer: Sink

@@ -234,10 +234,16 @@ def chronic_id(ep_id: Any, env: Any) -> Any:
     return value % len(names) if names else value
 
 
-def check_resets(env: Any, options: list[dict[str, Any] | None], init_states: list[Any]) -> None:
+def check_resets(
+    env: Any, options: list[dict[str, Any] | None], init_states: list[Any], *, compact: bool
+) -> None:
     """grid2op's checks of each episode's reset options and initial state, with its errors
     (``Environment.reset``, which raises them as the episode starts), before any episode plays.
-    ``options``: those the episodes reset with (``reset_options_for_core``)."""
+    ``options``: those the episodes reset with (``reset_options_for_core``).
+
+    With ``compact`` (``use_compact_episode_data=True``), an episode reset with ``"max step":
+    -1`` (``max_iter=-1``) fails as in grid2op's Runner: its ``CompactEpisodeData`` preallocates
+    ``env.max_episode_duration()`` rows, -1 after that reset (numpy's ``ValueError``)."""
     for option, state in zip(options, init_states, strict=True):
         option = option or {}
         skip = env._aux_get_skip_ts(option)
@@ -249,8 +255,9 @@ def check_resets(env: Any, options: list[dict[str, Any] | None], init_states: li
                 raise Grid2OpException(
                     "You provided an invalid (ambiguous) action to set the 'init state'"
                 ) from reason
+        max_step = None
         if "max step" in option:
-            env._aux_check_max_iter(option["max step"])
+            max_step = env._aux_check_max_iter(option["max step"])
         if skip is not None and skip < 1:
             raise Grid2OpException(
                 f"In `env.reset` the kwargs `init ts` should be an int >= 1, found {option['init ts']}"
@@ -262,6 +269,8 @@ def check_resets(env: Any, options: list[dict[str, Any] | None], init_states: li
                 check_thermal_limit(option["thermal limit"], env)
             except ValueError as exc:  # (the async core's message, as grid2op's type)
                 raise Grid2OpException(str(exc)) from exc
+        if compact and max_step == -1:  # (after the reset, which raised the errors above)
+            raise ValueError("negative dimensions are not allowed")
 
 
 def _check_datetime(value: Any, env: Any) -> None:
