@@ -15,6 +15,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import anyio
 import numpy as np
 import pytest
 
@@ -276,6 +277,39 @@ async def test_a_cache_reached_by_another_path_is_reused_and_a_damaged_one_compu
     assert (await once(tmp_path / "moved")).references_reused
 
 
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+@pytest.mark.parametrize(
+    "changed", [{"max_step": 6}, {"env_seeds": [2]}], ids=["max_step", "env_seeds"]
+)
+async def test_references_of_another_max_step_or_env_seeds_are_computed_again(
+    tmp_path: Path, changed: dict[str, Any]
+) -> None:
+    # The same agent seeds: only the max_step, or only the env seeds, differ from what the
+    # cache holds (a mutation audit found either left out of the cache key unguarded).
+    env = env_copy("l2rpn_case14_sandbox", tmp_path)
+
+    async def once(cache: str, **kwargs: Any) -> Any:
+        arguments = {"max_step": 3, "env_seeds": [1], "agent_seeds": [1], **kwargs}
+        (result,) = await asyncrunner.score(
+            env, RecoPowerlineAgent, competition="l2rpn_2020", nb_scenario=1, workers=1,
+            cache_dir=tmp_path / cache, **arguments,
+        )  # fmt: skip
+        return result
+
+    try:
+        first = await once("warm")
+        assert not first.references_reused
+        assert first.path is None  # nothing kept without path_save
+        again = await once("warm", **changed)
+        assert not again.references_reused
+        fresh = await once("fresh", **changed)
+        assert again.as_grid2op() == fresh.as_grid2op()
+        assert [s.total_steps for s in again.scenarios] == [changed.get("max_step", 3)]
+        assert (await once("warm", **changed)).references_reused
+    finally:
+        env.close()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])
 async def test_path_save_keeps_each_agent_and_reference_and_resumes(
@@ -456,6 +490,102 @@ def test_cli_score_prints_table_json_and_plot(tmp_path: Path) -> None:
     assert [d["agent"] for d in data] == ["DoNothingAgent", "RecoPowerlineAgent"]
     assert all(d["references_reused"] for d in data)
     assert [len(d["scenarios"]) for d in data] == [2, 2]
+
+
+class CutsLines(BaseAgent):  # type: ignore[misc]  # grid2op is untyped
+    """Disconnects the most loaded line it may each step: a game over within a few steps."""
+
+    def act(self, observation: Any, reward: float, done: bool = False) -> Any:
+        free = observation.line_status & (observation.time_before_cooldown_line == 0)
+        lines = np.flatnonzero(free)
+        if len(lines) == 0:
+            return self.action_space({})
+        line = int(lines[np.argmax(observation.rho[lines])])
+        return self.action_space({"set_line_status": [(line, -1)]})
+
+
+def _cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
+    """What ``asyncrunner ARGV`` prints on stdout, run in this process (it must succeed)."""
+    from asyncrunner._cli import main
+
+    code = main(argv)
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    return out
+
+
+def test_cli_score_table_sums_the_steps_survived_and_says_where_references_came_from(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    env = env_copy("l2rpn_case14_sandbox", tmp_path)
+    folder = env.get_path_env()
+    env.close()
+    argv = [
+        "score", folder, "--agent", "DoNothingAgent", "--agent", f"{__name__}:CutsLines",
+        "--competition", "l2rpn_2020", "--nb-scenario", "2", "--max-step", "6", "--seed", "0",
+        "--workers", "2", "--cache-dir", str(tmp_path / "cache"),
+    ]  # fmt: skip
+    first = _cli(argv, capsys).splitlines()
+    header, rows, total = first[0].split(), [r.split() for r in first[1:3]], first[3].split()
+    assert header[:4] == ["scenario", "DoNothingAgent", "score", "survived"]
+    assert header[4:] == ["CutsLines", "score", "survived"]
+    assert [r[0] for r in rows] == ["0000", "0001"]
+    assert [r[2] for r in rows] == ["6/6", "6/6"]  # doing nothing survives
+    survived = [int(r[4].split("/")[0]) for r in rows]  # the game overs
+    assert all(0 < n < 6 for n in survived) and [r[4].split("/")[1] for r in rows] == ["6", "6"]
+    # The total row: the scores' mean, and the steps survived of all steps played.
+    assert total[0] == "total" and total[2] == "12/12" and total[4] == f"{sum(survived)}/12"
+    assert first[4].endswith("reference statistics computed in this run (now cached)")
+    again = _cli(argv, capsys).splitlines()
+    assert again[:4] == first[:4]
+    assert again[4].endswith("reference statistics reused from the cache")
+
+
+def test_components_are_grid2ops_sub_scores_in_the_result_and_the_cli_json(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from asyncrunner._cli._common import derive_seeds
+
+    env = env_copy("l2rpn_idf_2023", tmp_path)
+    folder = env.get_path_env()
+    env_seeds, agent_seeds = derive_seeds(0, 1)
+    try:
+        scoring = functools.partial(
+            asyncrunner.score, env, RecoPowerlineAgent, competition="l2rpn_2023",
+            nb_scenario=1, max_step=8, env_seeds=env_seeds, agent_seeds=agent_seeds,
+            workers=1, cache_dir=tmp_path / "cache",
+        )  # fmt: skip
+        (result,) = anyio.run(scoring)
+    finally:
+        env.close()
+    # grid2op's tuple per scenario: (score, operational, renewables, assistant).
+    (parts,) = result.as_grid2op()[0]
+    (scenario,) = result.scenarios
+    assert scenario.score == float(parts[0])
+    assert dict(scenario.components) == {
+        "operational": float(parts[1]),
+        "renewables": float(parts[2]),
+        "assistant": float(parts[3]),
+    }
+    out = _cli(
+        [
+            "score", folder, "--agent", "RecoPowerlineAgent", "--competition", "l2rpn_2023",
+            "--nb-scenario", "1", "--max-step", "8", "--seed", "0", "--workers", "1", "--json",
+            "--cache-dir", str(tmp_path / "cache"),
+        ],
+        capsys,
+    )  # fmt: skip
+    (printed,) = json.loads(out)
+    assert printed["references_reused"]
+    assert printed["scenarios"] == [
+        {
+            "name": scenario.name,
+            "score": scenario.score,
+            "components": dict(scenario.components),
+            "steps_survived": scenario.steps_survived,
+            "total_steps": scenario.total_steps,
+        }
+    ]
 
 
 @pytest.mark.slow
