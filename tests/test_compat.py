@@ -16,7 +16,7 @@ import time
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, ClassVar, cast
 
 import anyio
 import grid2op
@@ -252,6 +252,52 @@ def test_a_with_block_keeps_one_pool_and_saving_replaces_like_grid2op(
             os.kill(pid, 0)
 
 
+class WaitsForItsPartner(BaseAgent):  # type: ignore[misc]  # grid2op is untyped
+    """Does nothing; writes ``<agent seed>-<pid>`` in ``folder`` as it plays, and the episodes
+    seeded 5 and 6 wait at their first step (up to 20 s) until the other one plays too."""
+
+    folder = ""  # set by the test before the runner's workers start
+    PARTNERS: ClassVar[dict[int, int]] = {5: 6, 6: 5}
+
+    def __init__(self, action_space: Any) -> None:
+        super().__init__(action_space)
+        self.seeded = -1
+
+    def seed(self, seed: Any) -> Any:
+        self.seeded = int(seed)
+        return super().seed(seed)
+
+    def act(self, observation: Any, reward: float, done: bool = False) -> Any:
+        folder = Path(self.folder)
+        (folder / f"{self.seeded}-{os.getpid()}").touch()
+        partner = self.PARTNERS.pop(self.seeded, None)  # (this process's copy: once)
+        deadline = time.monotonic() + 20
+        while partner is not None and time.monotonic() < deadline:
+            if any(folder.glob(f"{partner}-*")):
+                break
+            time.sleep(0.01)
+        return self.action_space({})
+
+
+def test_a_with_block_run_asking_more_processes_plays_on_that_many(
+    env: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # grid2op's Runner plays each call on the processes it asks for: a with block kept its pool
+    # of one process for a call asking two (a mutation audit found it unguarded).
+    monkeypatch.setattr(WaitsForItsPartner, "folder", str(tmp_path))
+    kwargs: dict[str, Any] = dict(nb_episode=2, max_iter=3, env_seeds=[1, 2])
+    with compat_runner(env, agentClass=WaitsForItsPartner) as runner:
+        first = runner.run(nb_process=1, agent_seeds=[3, 4], **kwargs)
+        second = runner.run(nb_process=2, agent_seeds=[5, 6], **kwargs)
+    assert head(first) == head(second)
+    pids = {
+        seed: {p.name.split("-")[1] for p in tmp_path.glob(f"{seed}-*")} for seed in range(3, 7)
+    }
+    assert len(pids[3]) == len(pids[4]) == 1 and pids[3] == pids[4]  # one process
+    # Two: each episode played on a process of its own, both at once.
+    assert len(pids[5]) == len(pids[6]) == 1 and pids[5] != pids[6]
+
+
 def test_grid2op_saving_over_our_folder_reads_back_its_own_episode(
     env: Any, tmp_path: Path
 ) -> None:
@@ -484,6 +530,23 @@ def test_float_episode_ids_play_as_grid2op_plays_them(env: Any) -> None:
     )
 
 
+def test_ids_past_the_chronics_and_the_largest_env_seed_play_as_grid2op_plays_them(
+    env: Any,
+) -> None:
+    # grid2op wraps an integer id around the chronics it plays (5 is 0002 of 3) and takes an env
+    # seed up to 2**31 - 1 included.
+    kwargs: dict[str, Any] = dict(
+        nb_episode=2, episode_id=[5, 1], env_seeds=[2**31 - 1, 0], agent_seeds=[3, 4], max_iter=3
+    )
+    expected = grid2ops(grid_runner(env, agentClass=SampleAgent).run, **kwargs)
+    assert [r[1] for r in expected] == ["0002", "0001"]
+    runner = compat_runner(env, agentClass=SampleAgent)
+    try:
+        assert head(quiet(runner.run, nb_process=2, **kwargs)) == head(expected)
+    finally:
+        runner.close()
+
+
 @pytest.fixture(scope="module")
 def runners(env: Any) -> Iterator[tuple[Any, compat.Runner]]:
     ours = compat_runner(env)
@@ -496,6 +559,7 @@ def runners(env: Any) -> Iterator[tuple[Any, compat.Runner]]:
     [
         dict(nb_episode=-1),
         dict(nb_episode=2, env_seeds=[1]),
+        dict(nb_episode=1, env_seeds=[1, 2]),  # more seeds than episodes: refused too
         dict(nb_episode=2, agent_seeds=[1, 2, 3]),
         dict(nb_episode=2, episode_id=[0]),
         dict(nb_episode=2, init_states=[{}]),
@@ -637,6 +701,31 @@ def test_a_pbar_that_is_no_bar(runners: tuple[Any, compat.Runner], tmp_path: Pat
     with pytest.raises(TypeError, match=r"a bar with an update\(n\) method, got 1"):
         quiet(ours.run, nb_process=1, **kwargs)
     assert ours._ar_session is None  # refused before any worker started
+
+
+def test_high_resolution_simulations_are_counted_as_grid2op_counts_them(env: Any) -> None:
+    # The fast tier's guard of nb_highres_sim (the parametrization of
+    # test_run_matches_grid2op_with_detailed_output with SimulatingAgent is slow).
+    kwargs: dict[str, Any] = dict(nb_episode=2, max_iter=4, env_seeds=[1, 2], agent_seeds=[3, 4])
+    expected = grid2ops(
+        grid_runner(env, agentClass=SimulatingAgent).run, add_nb_highres_sim=True, **kwargs
+    )
+    assert [r[5] for r in expected] == [4, 4]  # one per step
+    runner = compat_runner(env, agentClass=SimulatingAgent)
+    try:
+        results = quiet(runner.run, add_nb_highres_sim=True, nb_process=2, **kwargs)
+    finally:
+        runner.close()
+    assert head(results) == head(expected)
+    assert [r[5] for r in results] == [r[5] for r in expected]
+
+    async def main() -> list[Any]:
+        async with AsyncRunner(env, agent=SimulatingAgent, workers=2) as ours:
+            return await ours.run(**kwargs)
+
+    played = anyio.run(main)
+    assert [r.as_tuple() for r in played] == head(expected)
+    assert [r.nb_highres_sim for r in played] == [r[5] for r in expected]
 
 
 def test_run_one_episode_matches_grid2op(env: Any) -> None:
