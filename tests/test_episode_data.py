@@ -250,6 +250,13 @@ async def test_case14_saves_what_grid2op_saves(case14: dict[str, Any], tmp_path:
     _assert_same_episode_data(case14["path"], tmp_path / "full", case14["res"])
     _assert_same_compact(case14["compact"], tmp_path / "compact")
     assert _hidden(tmp_path) == []
+    # Byte for byte, as grid2op writes them (keys sorted, its indent), where no time is written.
+    for name in _names(case14["path"]):
+        for file in JSON_FILES:
+            ours, theirs = tmp_path / "full" / name / file, case14["path"] / name / file
+            assert ours.read_bytes() == theirs.read_bytes(), (name, file)
+    for space in SPACE_FILES:
+        assert (tmp_path / "full" / space).read_bytes() == (case14["path"] / space).read_bytes()
 
     await _check_replays(capture.events, env_key(case14["env"]), tmp_path)
 
@@ -547,6 +554,20 @@ async def test_same_chronic_twice_gets_two_folders(case14: dict[str, Any], tmp_p
             loaded = CompactEpisodeData.from_disk(tmp_path, name)
         assert loaded.meta["chronics_path"] == "0000"
     assert _hidden(tmp_path) == []
+
+
+async def test_a_writer_given_to_a_second_run_says_what_that_run_saved(
+    env: Any, tmp_path: Path
+) -> None:
+    writer = EpisodeDataWriter(tmp_path)
+    async with AsyncRunner(env, agent=DoNothingAgent, workers=1) as runner:
+        first = await runner.run(2, max_iter=2, sinks=[writer])
+        assert dict(writer.saved) == {0: str(tmp_path / "0000"), 1: str(tmp_path / "0001")}
+        assert [r.path for r in first] == [writer.saved[0], writer.saved[1]]
+        (second,) = await runner.run(1, max_iter=2, episode_id=[2], sinks=[writer])
+    # The second run's episode only (index 0 of that run): not the first run's too.
+    assert dict(writer.saved) == {0: str(tmp_path / "0002")} and second.path == writer.saved[0]
+    assert _names(tmp_path) == ["0000", "0001", "0002"]
 
 
 class _CountedSet(set[tuple[str | None, str]]):

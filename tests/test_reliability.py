@@ -104,6 +104,14 @@ async def test_agent_error_continue_fails_that_episode_only(env: Any) -> None:
     assert failure.step == 4  # four steps played, the fifth act raised
     assert "test_reliability.py" in failure.traceback and "in act" in failure.traceback
     assert results[0].nb_time_step == results[2].nb_time_step == 20
+    # The failed episode's result still says which chronic it played, and for how long.
+    failed = results[1]
+    assert (failed.name, failed.nb_time_step, failed.cum_reward) == ("0001", 4, 0.0)
+    played = [r.chronics_path for r in results]
+    assert None not in played
+    assert [os.path.basename(str(p)) for p in played] == ["0000", "0001", "0002"]
+    assert len({os.path.dirname(str(p)) for p in played}) == 1
+    assert failed.max_ts == results[0].max_ts == 20
 
 
 class Exits(BaseAgent):  # type: ignore[misc]  # grid2op is untyped

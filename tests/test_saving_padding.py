@@ -20,13 +20,13 @@ from typing import Any
 import anyio
 import numpy as np
 import pytest
-from grid2op.Agent import DoNothingAgent, RandomAgent
+from grid2op.Agent import BaseAgent, DoNothingAgent, RandomAgent
 from grid2op.Episode import EpisodeData
 
 from asyncrunner import AsyncRunner
 from asyncrunner._model import EpisodeStarted, Event, StepBatch
 from asyncrunner._plan._layout import sync
-from asyncrunner.sinks import CallbackSink, _npz
+from asyncrunner.sinks import CallbackSink, CompactEpisodeWriter, _npz
 from asyncrunner.sinks._buffer import EpisodeBuffer
 from asyncrunner.sinks._npz import Padded, npz_bytes
 
@@ -177,6 +177,47 @@ async def test_short_episode_saved_whole(tmp_path: Path) -> None:
             assert ours.shape[0] == result.max_ts
             assert ours.tobytes() == np.asarray(getattr(detail, name)).tobytes(), name
         assert saved.legal is None and len(detail.legal) == result.max_ts  # as grid2op's
+
+
+class CutsLines(BaseAgent):  # type: ignore[misc]  # grid2op is untyped
+    """Disconnects the most loaded line it may each step: a game over within a few steps."""
+
+    def act(self, observation: Any, reward: float, done: bool = False) -> Any:
+        free = observation.line_status & (observation.time_before_cooldown_line == 0)
+        lines = np.flatnonzero(free)
+        if len(lines) == 0:
+            return self.action_space({})
+        line = int(lines[np.argmax(observation.rho[lines])])
+        return self.action_space({"set_line_status": [(line, -1)]})
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_an_endless_chronics_compact_episode_holds_the_rows_played(tmp_path: Path) -> None:
+    """ChangeNothing has no end (max_episode_duration() is 2**31 - 1): nothing to pad up to,
+    the CompactEpisodeData holds the rows played (grid2op's cannot preallocate that many)."""
+    from grid2op.Chronics import ChangeNothing
+    from grid2op.Episode import CompactEpisodeData
+
+    from .conftest import make_env
+
+    env = make_env(chronics_class=ChangeNothing)
+    try:
+        async with AsyncRunner(env, agent=CutsLines, workers=1) as runner:
+            (result,) = await runner.run(
+                1, env_seeds=[1], agent_seeds=[2], sinks=[CompactEpisodeWriter(tmp_path)]
+            )
+    finally:
+        env.close()
+    assert result.ok and 0 < result.nb_time_step < 50 and result.max_ts == 0
+    saved = tmp_path / "CompactEpisodeData" / f"{result.name}.npz"
+    with np.load(saved) as data:
+        assert data["actions"].shape[0] == data["rewards"].shape[0] == result.nb_time_step
+        assert data["observations"].shape[0] == result.nb_time_step + 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        loaded = CompactEpisodeData.from_disk(tmp_path, result.name)
+    assert loaded.meta["nb_timestep_played"] == result.nb_time_step
 
 
 @pytest.mark.anyio
