@@ -669,6 +669,48 @@ async def test_logging_sink_logs_failures_with_traceback(
     assert errors[0].rstrip().endswith("RuntimeError: agent exploded")
 
 
+class DiesOnceThenCutsLines(BaseAgent):  # type: ignore[misc]  # grid2op is untyped
+    """Kills its worker at its first step unless ``died`` (a file) is there, which it creates
+    first; then disconnects the most loaded line it may each step (a game over within a few)."""
+
+    died = ""  # set before the runner forks its workers
+
+    def act(self, observation: Any, reward: float, done: bool = False) -> Any:
+        if not os.path.exists(self.died):
+            Path(self.died).touch()
+            os._exit(1)
+        free = observation.line_status & (observation.time_before_cooldown_line == 0)
+        lines = np.flatnonzero(free)
+        if len(lines) == 0:
+            return self.action_space({})
+        line = int(lines[np.argmax(observation.rho[lines])])
+        return self.action_space({"set_line_status": [(line, -1)]})
+
+
+async def test_logging_sink_warns_of_a_retried_failure_and_says_a_game_overs_steps(
+    env: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(DiesOnceThenCutsLines, "died", str(tmp_path / "died"))
+    caplog.set_level(logging.INFO, logger="asyncrunner")
+    async with AsyncRunner(env, agent=DiesOnceThenCutsLines, workers=1, retries=1) as runner:
+        with anyio.fail_after(TIMEOUT):
+            (result,) = await runner.run(1, max_iter=20, sinks=[LoggingSink()])
+    assert result.ok and 0 < result.nb_time_step < result.max_ts == 20  # a game over
+    ours = [r for r in caplog.records if r.name == "asyncrunner"]
+    (failed,) = [r for r in ours if " failed after " in r.getMessage()]
+    # Retried: a warning, which says so (its attempt 2 played the episode).
+    assert failed.levelno == logging.WARNING
+    message = failed.getMessage()
+    assert message.startswith("episode 0 (attempt 1) failed after 0 steps: ")
+    assert message.rstrip().endswith("; retrying") or "; retrying\n" in message
+    assert [r.levelno for r in ours if r is not failed] == [logging.INFO] * (len(ours) - 1)
+    (finished,) = [
+        r.getMessage() for r in ours if " finished: cumulative reward " in r.getMessage()
+    ]
+    assert finished.startswith("episode 0 (0000) finished: ")
+    assert f", {result.nb_time_step}/20 steps\n" in finished
+
+
 class FailsWithSeedOne(BaseAgent):  # type: ignore[misc]  # grid2op is untyped
     """Does nothing; in the episode seeded 1, raises once the episode seeded 0 has played 20
     steps (``playing``: a file that episode creates)."""
@@ -713,6 +755,43 @@ async def test_an_episode_stopped_by_another_ones_failure_ends_with_an_event_too
     assert "episode 1 failed first" in stopped.message
     assert stopped.steps_lost and not stopped.retrying
     assert [r.index for r in record.events[-1].results] == [1]  # a stopped episode has no result
+
+
+async def test_an_episode_stopped_by_another_ones_failure_is_no_failure_of_its_own(
+    env: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # What the user sees of it: the bar counts one failed episode, the log one error (the
+    # stopped episode's end is a warning).
+    import io
+
+    from tqdm import tqdm
+
+    class ToItsOwnFile(tqdm):  # type: ignore[misc]  # tqdm is untyped
+        written = io.StringIO()
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            kwargs.setdefault("file", ToItsOwnFile.written)
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(FailsWithSeedOne, "playing", str(tmp_path / "playing"))
+    caplog.set_level(logging.INFO, logger="asyncrunner")
+    async with AsyncRunner(env, agent=FailsWithSeedOne, workers=2) as runner:
+        with anyio.fail_after(TIMEOUT), pytest.raises(EpisodeError, match="agent exploded"):
+            await runner.run(2, agent_seeds=[0, 1], sinks=[LoggingSink()], pbar=ToItsOwnFile)
+    failed = {
+        r.getMessage().split(" ")[1]: r
+        for r in caplog.records
+        if r.name == "asyncrunner" and " failed after " in r.getMessage()
+    }
+    assert sorted(failed) == ["0", "1"]
+    assert failed["1"].levelno == logging.ERROR
+    assert failed["1"].getMessage().startswith("episode 1 (attempt 1) failed after 19 steps: ")
+    assert failed["0"].levelno == logging.WARNING
+    assert ": Stopped: " in failed["0"].getMessage().split("\n")[0]
+    drawn = ToItsOwnFile.written.getvalue()
+    last = [line for line in re.split(r"[\r\n]", drawn) if line.startswith("episode")][-1]
+    assert "2/2" in last and last.rstrip().endswith("failed=1]"), drawn
+    assert "failed=2" not in drawn
 
 
 async def test_a_sink_serves_one_run_at_a_time(env: Any, tmp_path: Path) -> None:
