@@ -648,3 +648,27 @@ async def test_calls_waiting_for_a_shared_agent_hold_no_thread_of_the_default_po
     finally:
         block.set()
         limiter.total_tokens = tokens
+
+
+async def test_every_slot_of_a_worker_plays_a_copy_of_the_callers_env() -> None:
+    # copy_env=True with envs_per_worker=2: the second slot built an env of its own from the
+    # runner's parameters, which did not have the caller's changes (here its chronics' order):
+    # episode 1 played 0001 again, not 0002.
+    from asyncrunner import EpisodeStarted
+
+    env = make_env()
+    env.chronics_handler.shuffle(lambda order: np.concatenate([order[1:], order[:1]]))
+    started: list[EpisodeStarted] = []
+
+    def seen(event: Any) -> None:
+        if isinstance(event, EpisodeStarted):
+            started.append(event)
+
+    agent = CentralAgent(DoNothingAgent, envs_per_worker=2)
+    async with AsyncRunner(env, agent=agent, workers=1, copy_env=True) as runner:
+        results = await runner.run(
+            3, max_iter=3, episode_id=[0, 1, 2], sinks=[CallbackSink(seen, needs_steps=False)]
+        )
+    assert [r.name for r in results] == ["0001", "0002", "0000"]
+    assert sorted(e.env_builds for e in started) == [0, 0, 0]
+    env.close()

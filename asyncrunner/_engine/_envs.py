@@ -638,12 +638,15 @@ def get_env(
             cached.close()
             cached = None
         if cached is None:
-            idle = [k for k in _ENVS if k not in _IN_USE]
+            # Another slot's entry of the recipe gives its pristine env (a slot past the first
+            # built one of its own: with copy_env, not the caller's env).
+            source = busy or _ENVS.get(recipe_key)
+            idle = [k for k in _ENVS if k not in _IN_USE and _ENVS[k] is not source]
             while len(_ENVS) >= max(keep, _MAX_ENVS) and idle:
                 _ENVS.pop(idle.pop(0)).close()
-            pristine = busy.pristine if busy is not None else None
+            pristine = source.pristine if source is not None else None
             if pristine is not None and not copies_faithfully(pristine):
-                pristine = None  # played itself by the busy entry's episode
+                pristine = None  # played itself by the other entry's episode
             cached = _Cached(_unpickled(recipe_bytes()), pristine)
         _ENVS[key] = cached  # most recently used last
         _IN_USE.add(key)  # until the caller discards it
