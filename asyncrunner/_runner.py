@@ -367,6 +367,18 @@ class AsyncRunner(AsyncResource):
             return
         if self.copy_env:
             _check_parameters_as_built(self._first_env)
+        if self._copied:
+            # Copied as it is now, recorded as it was made (``resume`` matches on it).
+            mix = next(iter(self._recipes))
+            if (
+                env_key(self._first_env) != self._env_keys[mix]
+                or chronic_names(self._first_env, as_built=False) != self._names[mix]
+            ):
+                raise ValueError(
+                    "copy_env=True: the env changed since this AsyncRunner was made (its thermal "
+                    "limits, chronics, ...); its workers would play it as it is now, its saved "
+                    "episodes say it is as it was: make the AsyncRunner after changing the env"
+                )
         if not self._faithful:
             # Each episode plays an env built for it: one built here would be shared by every
             # worker forked with it (a user backend's solver process, socket or files too).
@@ -783,9 +795,10 @@ def _check_parameters_as_built(env: Any) -> None:
     ``copy_env``'s copies keep the env's own. Refuse rather than differ where those are not the
     same: parameters given to ``env.change_parameters`` or ``change_forecast_parameters``, a
     reward to ``change_reward`` (the copies apply them at their first reset, or play the reward
-    a reset applied), and forecasts on other parameters than the env's
+    a reset applied), forecasts deactivated (``deactivate_forecast``), and forecasts on other
+    parameters than the env's
     (``change_parameters`` then a reset changes the env's, not its forecasts')."""
-    pending = [
+    pending: list[tuple[str, str | None]] = [
         (call, what)
         for call, attr, what in (
             ("change_parameters", "_BaseEnv__new_param", "parameters"),
@@ -799,13 +812,15 @@ def _check_parameters_as_built(env: Any) -> None:
     made = made if isinstance(made, type) else type(made)
     if not pending and reward is not None and type(reward) is not made:
         pending = [("change_reward", "reward_class")]  # applied by a reset since
+    if not pending and not env.with_forecast:
+        pending = [("deactivate_forecast", None)]  # (its forecasts are on there)
     if pending:
         call, what = pending[0]
+        also = f" (or pass the {what} to grid2op.make)" if what else ""
         raise ValueError(
             f"copy_env=True: the env was given env.{call}(...), which grid2op's Runner does not "
             "see (it builds its env from the env's runner parameters), so copies of it would not "
-            f"play as grid2op's Runner plays this env: use copy_env=False (or pass the {what} to "
-            "grid2op.make)"
+            f"play as grid2op's Runner plays this env: use copy_env=False{also}"
         )
     forecasts = getattr(getattr(env, "_observation_space", None), "_simulate_parameters", None)
     if forecasts is not None and not _same_values(forecasts.to_dict(), env.parameters.to_dict()):

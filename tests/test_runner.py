@@ -353,6 +353,10 @@ async def test_copy_env_refuses_an_env_whose_forecasts_differ_from_a_build(env: 
         await refused(r"change_reward\(...\), which")  # applied now, still not the built one
         changed.change_reward(type(env._reward_helper.template_reward))
         changed.reset()
+        # (an agent calling obs.simulate failed every episode: NoForecastAvailable)
+        changed.deactivate_forecast()
+        await refused(r"deactivate_forecast\(...\), which .*: use copy_env=False$")
+        changed.reactivate_forecast()
         runner = quiet(GridRunner, **changed.get_params_for_runner(), agentClass=_BestOfSimulated)
         expected = grid2ops(runner.run, nb_episode=2, nb_process=1, **kwargs)
         async with AsyncRunner(
@@ -362,6 +366,23 @@ async def test_copy_env_refuses_an_env_whose_forecasts_differ_from_a_build(env: 
         assert [r.as_tuple() for r in results] == [tuple(e[:5]) for e in expected]
     finally:
         changed.close()
+
+
+async def test_copy_env_refuses_an_env_changed_since_the_runner_was_made(env: Any) -> None:
+    # Copied when the runner opens, recorded as the runner was made: the episodes played the
+    # new thermal limits, saved as the old ones', and resume returned them for the env as made.
+    changed = env.copy()
+    runner = AsyncRunner(changed, agent=DoNothingAgent, workers=1, copy_env=True)
+    changed.set_thermal_limit(changed.get_thermal_limit() * 0.6)
+    try:
+        with pytest.raises(ValueError, match=r"changed since this AsyncRunner was made.*after"):
+            await runner.__aenter__()
+    finally:
+        await runner.aclose()
+    async with AsyncRunner(changed, agent=DoNothingAgent, workers=1, copy_env=True) as made:
+        (result,) = await made.run(1, max_iter=3)
+    assert result.error is None
+    changed.close()
 
 
 def test_copy_env_takes_an_env_made_with_a_nan_parameter_or_a_reward_instance() -> None:
