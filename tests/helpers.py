@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import numpy as np
 import pytest
 from grid2op.Agent import BaseAgent
 
@@ -97,6 +98,18 @@ class SampleAgent(BaseAgent):  # type: ignore[misc]  # grid2op is untyped
 
     def act(self, observation: Any, reward: float, done: bool = False) -> Any:
         return self.action_space.sample()
+
+
+class CutsLines(BaseAgent):  # type: ignore[misc]  # grid2op is untyped
+    """Disconnects the most loaded line it may each step: a game over within a few steps."""
+
+    def act(self, observation: Any, reward: float, done: bool = False) -> Any:
+        free = observation.line_status & (observation.time_before_cooldown_line == 0)
+        lines = np.flatnonzero(free)
+        if len(lines) == 0:
+            return self.action_space({})
+        line = int(lines[np.argmax(observation.rho[lines])])
+        return self.action_space({"set_line_status": [(line, -1)]})
 
 
 class StorageAgent(BaseAgent):  # type: ignore[misc]  # grid2op is untyped

@@ -20,7 +20,7 @@ from typing import Any
 import anyio
 import numpy as np
 import pytest
-from grid2op.Agent import BaseAgent, DoNothingAgent, RandomAgent
+from grid2op.Agent import DoNothingAgent, RandomAgent
 from grid2op.Episode import EpisodeData
 
 from asyncrunner import AsyncRunner
@@ -29,6 +29,8 @@ from asyncrunner._plan._layout import sync
 from asyncrunner.sinks import CallbackSink, CompactEpisodeWriter, _npz
 from asyncrunner.sinks._buffer import EpisodeBuffer
 from asyncrunner.sinks._npz import Padded, npz_bytes
+
+from .helpers import CutsLines
 
 SHORT: dict[str, Any] = dict(nb_episode=2, episode_id=[0, 1], env_seeds=[3, 4], agent_seeds=[5, 6])
 
@@ -177,18 +179,6 @@ async def test_short_episode_saved_whole(tmp_path: Path) -> None:
             assert ours.shape[0] == result.max_ts
             assert ours.tobytes() == np.asarray(getattr(detail, name)).tobytes(), name
         assert saved.legal is None and len(detail.legal) == result.max_ts  # as grid2op's
-
-
-class CutsLines(BaseAgent):  # type: ignore[misc]  # grid2op is untyped
-    """Disconnects the most loaded line it may each step: a game over within a few steps."""
-
-    def act(self, observation: Any, reward: float, done: bool = False) -> Any:
-        free = observation.line_status & (observation.time_before_cooldown_line == 0)
-        lines = np.flatnonzero(free)
-        if len(lines) == 0:
-            return self.action_space({})
-        line = int(lines[np.argmax(observation.rho[lines])])
-        return self.action_space({"set_line_status": [(line, -1)]})
 
 
 @pytest.mark.anyio

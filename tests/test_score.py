@@ -23,7 +23,7 @@ import asyncrunner
 from asyncrunner import compat
 from asyncrunner._pools._fork import ForkPool
 from tests.conftest import make_env
-from tests.helpers import SampleAgent, StorageAgent, grid2ops, quiet
+from tests.helpers import CutsLines, SampleAgent, StorageAgent, grid2ops, quiet
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")
@@ -492,18 +492,6 @@ def test_cli_score_prints_table_json_and_plot(tmp_path: Path) -> None:
     assert [len(d["scenarios"]) for d in data] == [2, 2]
 
 
-class CutsLines(BaseAgent):  # type: ignore[misc]  # grid2op is untyped
-    """Disconnects the most loaded line it may each step: a game over within a few steps."""
-
-    def act(self, observation: Any, reward: float, done: bool = False) -> Any:
-        free = observation.line_status & (observation.time_before_cooldown_line == 0)
-        lines = np.flatnonzero(free)
-        if len(lines) == 0:
-            return self.action_space({})
-        line = int(lines[np.argmax(observation.rho[lines])])
-        return self.action_space({"set_line_status": [(line, -1)]})
-
-
 def _cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
     """What ``asyncrunner ARGV`` prints on stdout, run in this process (it must succeed)."""
     from asyncrunner._cli import main
@@ -521,7 +509,7 @@ def test_cli_score_table_sums_the_steps_survived_and_says_where_references_came_
     folder = env.get_path_env()
     env.close()
     argv = [
-        "score", folder, "--agent", "DoNothingAgent", "--agent", f"{__name__}:CutsLines",
+        "score", folder, "--agent", "DoNothingAgent", "--agent", f"{CutsLines.__module__}:CutsLines",
         "--competition", "l2rpn_2020", "--nb-scenario", "2", "--max-step", "6", "--seed", "0",
         "--workers", "2", "--cache-dir", str(tmp_path / "cache"),
     ]  # fmt: skip

@@ -44,7 +44,7 @@ from asyncrunner.sinks import (
 )
 
 from .conftest import make_env
-from .helpers import run_code, starts
+from .helpers import CutsLines, run_code, starts
 
 pytestmark = pytest.mark.anyio
 
@@ -273,11 +273,9 @@ async def test_a_pbar_that_is_no_bar_is_refused_before_the_run(runner: AsyncRunn
     assert started == []
 
 
-async def test_a_tqdm_class_choosing_its_own_file_draws_there(
-    runner: AsyncRunner, capsys: pytest.CaptureFixture[str]
-) -> None:
-    # grid2op's Runner calls a pbar class with total= and desc= only; a tqdm subclass giving
-    # itself a default file (a log, os.devnull) was made to draw on sys.stderr instead.
+def _tqdm_with_its_own_file() -> Any:
+    """A tqdm class that gives itself a default file (``written``, a new one each call), as a
+    user's drawing to a log or os.devnull does."""
     import io
 
     from tqdm import tqdm
@@ -288,6 +286,16 @@ async def test_a_tqdm_class_choosing_its_own_file_draws_there(
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             kwargs.setdefault("file", ToItsOwnFile.written)
             super().__init__(*args, **kwargs)
+
+    return ToItsOwnFile
+
+
+async def test_a_tqdm_class_choosing_its_own_file_draws_there(
+    runner: AsyncRunner, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # grid2op's Runner calls a pbar class with total= and desc= only; a tqdm subclass giving
+    # itself a default file (a log, os.devnull) was made to draw on sys.stderr instead.
+    ToItsOwnFile = _tqdm_with_its_own_file()
 
     capsys.readouterr()
     with anyio.fail_after(TIMEOUT):
@@ -669,7 +677,7 @@ async def test_logging_sink_logs_failures_with_traceback(
     assert errors[0].rstrip().endswith("RuntimeError: agent exploded")
 
 
-class DiesOnceThenCutsLines(BaseAgent):  # type: ignore[misc]  # grid2op is untyped
+class DiesOnceThenCutsLines(CutsLines):
     """Kills its worker at its first step unless ``died`` (a file) is there, which it creates
     first; then disconnects the most loaded line it may each step (a game over within a few)."""
 
@@ -679,12 +687,7 @@ class DiesOnceThenCutsLines(BaseAgent):  # type: ignore[misc]  # grid2op is unty
         if not os.path.exists(self.died):
             Path(self.died).touch()
             os._exit(1)
-        free = observation.line_status & (observation.time_before_cooldown_line == 0)
-        lines = np.flatnonzero(free)
-        if len(lines) == 0:
-            return self.action_space({})
-        line = int(lines[np.argmax(observation.rho[lines])])
-        return self.action_space({"set_line_status": [(line, -1)]})
+        return super().act(observation, reward, done)
 
 
 async def test_logging_sink_warns_of_a_retried_failure_and_says_a_game_overs_steps(
@@ -762,16 +765,7 @@ async def test_an_episode_stopped_by_another_ones_failure_is_no_failure_of_its_o
 ) -> None:
     # What the user sees of it: the bar counts one failed episode, the log one error (the
     # stopped episode's end is a warning).
-    import io
-
-    from tqdm import tqdm
-
-    class ToItsOwnFile(tqdm):  # type: ignore[misc]  # tqdm is untyped
-        written = io.StringIO()
-
-        def __init__(self, *args: Any, **kwargs: Any) -> None:
-            kwargs.setdefault("file", ToItsOwnFile.written)
-            super().__init__(*args, **kwargs)
+    ToItsOwnFile = _tqdm_with_its_own_file()
 
     monkeypatch.setattr(FailsWithSeedOne, "playing", str(tmp_path / "playing"))
     caplog.set_level(logging.INFO, logger="asyncrunner")
