@@ -190,7 +190,8 @@ class EpisodeFinished:
     itself; empty for every other sink and in ``stream()``. ``objects``: with
     ``run(add_detailed_output=True)``, the steps' grid2op objects as grid2op's Runner keeps them
     in its ``EpisodeData`` (the agent's actions, the env's actions, the observations the env
-    returned, the attacks), pickled; empty otherwise.
+    returned, the attacks), pickled (where they cannot be, the reason, a pickled ``str``);
+    empty otherwise.
     """
 
     run_id: str

@@ -800,13 +800,14 @@ async def test_detailed_objects_that_cannot_be_pickled_are_built_from_their_vect
     case14: dict[str, Any],
 ) -> None:
     # The workers send the steps' objects (grid2op's Runner keeps them); with an action holding
-    # a lock they cannot: the EpisodeData has them as their vectors say.
+    # a lock they cannot: the EpisodeData has them as their vectors say, and the user is told.
     kwargs: dict[str, Any] = dict(nb_episode=1, env_seeds=[3], agent_seeds=[5], max_iter=4)
     theirs = Runner(**case14["env"].get_params_for_runner(), agentClass=LockedActions).run(
         add_detailed_output=True, **kwargs
     )[0][-1]
     async with AsyncRunner(case14["env"], agent=LockedActions, workers=1) as runner:
-        (ours,) = await runner.run(add_detailed_output=True, **kwargs)
+        with pytest.warns(UserWarning, match=r"episode 0 .*\(TypeError: cannot pickle '_thread"):
+            (ours,) = await runner.run(add_detailed_output=True, **kwargs)
     data = ours.episode_data
     assert len(data.actions) == len(theirs.actions) == 4
     for mine, other in zip(data.actions, theirs.actions, strict=True):

@@ -308,8 +308,9 @@ def _pickled(exc: BaseException) -> bytes | None:
 def _objects_pickled(steps: list[tuple[Any, Any, Any, Any]]) -> bytes:
     """Each step's agent action, env action, observation and attack, pickled as grid2op's Runner
     sends its EpisodeData back (``make_serializable``: the observations without their simulator;
-    one pickle: an object kept at several steps stays one). Empty where they cannot be (an
-    action holding a lock...): the orchestrator then builds them from their vectors."""
+    one pickle: an object kept at several steps stays one). Where they cannot be (an action
+    holding a lock...), the reason, a pickled ``str``: the orchestrator then builds them from
+    their vectors and warns."""
     for _, env_action, obs, _ in steps:
         # grid2op's Runner reads the env's action with ``to_vect`` at its step, which builds
         # what an action builds on first read; ``Batcher`` reads the same vector without. Built
@@ -325,8 +326,8 @@ def _objects_pickled(steps: list[tuple[Any, Any, Any, Any]]) -> bytes:
     except Exception:
         try:
             return bytes(cloudpickle.dumps(steps, protocol=pickle.HIGHEST_PROTOCOL))
-        except Exception:
-            return b""
+        except Exception as exc:
+            return pickle.dumps(f"{type(exc).__name__}: {exc}")
     return data.getvalue()
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import pickle
 import types
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -118,6 +119,18 @@ def episode_data(env: Any, obs_space: Any, buffer: EpisodeBuffer, finished: Epis
     first._ptr_kwargs_env = None
     episode.observations.objects[0] = first
     steps = pickle.loads(finished.objects) if finished.objects else None
+    if isinstance(steps, str):  # the reason they could not be pickled
+        warnings.warn(
+            f"add_detailed_output: the objects of episode {finished.index} ({started.name}) "
+            f"could not be pickled in its worker ({steps}): its actions and observations are "
+            "rebuilt from their vectors, as grid2op's EpisodeData.from_disk reads them, so what "
+            "a vector does not hold (an observation's theta_* and forecasts, attributes your "
+            "agent set) is not the played objects'. Make them picklable to get the objects as "
+            "played (grid2op's Runner with nb_process > 1 fails on them).",
+            UserWarning,
+            stacklevel=1,
+        )
+        steps = None
     for t in range(n):
         if steps is not None:
             act, env_act, obs, attack = steps[t]
