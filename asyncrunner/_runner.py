@@ -201,12 +201,7 @@ class AsyncRunner(AsyncResource):
         retries: int = 1,
         copy_env: bool = False,
     ) -> None:
-        # (the closed check first: a closed multimix env raises reading any other attribute)
-        if not isinstance(env, type) and _closed(env):
-            raise ValueError("the env is closed: pass an open grid2op env (make a new one)")
-        if isinstance(env, type) or not hasattr(env, "get_params_for_runner"):
-            what = f"the class {env.__name__}" if isinstance(env, type) else type(env).__name__
-            raise TypeError(f"env must be a grid2op Environment (grid2op.make(...)), got {what}")
+        check_env(env)
         workers = usable_cpus() if workers is None else at_least("workers", workers, 1)
         if executor is None:
             check_local_workers(workers)
@@ -739,6 +734,17 @@ def _spawned_workers_import_main() -> bool:
     if name is not None:
         return name != "__main__" and not name.endswith(".__main__")
     return hasattr(main, "__file__")
+
+
+def check_env(env: Any) -> None:
+    """Raises what to pass where ``env`` is not an open grid2op env (a name, a class...)."""
+    # (the closed check first: a closed multimix env raises reading any other attribute)
+    if not isinstance(env, type) and _closed(env):
+        raise ValueError("the env is closed: pass an open grid2op env (make a new one)")
+    if isinstance(env, type) or not hasattr(env, "get_params_for_runner"):
+        what = f"the class {env.__name__}" if isinstance(env, type) else type(env).__name__
+        hint = f": grid2op.make({env!r}, ...)" if isinstance(env, str) else ""
+        raise TypeError(f"env must be a grid2op Environment (grid2op.make(...)), got {what}{hint}")
 
 
 def _closed(env: Any) -> bool:

@@ -637,6 +637,8 @@ async def test_bad_runner_arguments(env: Any) -> None:
         AsyncRunner(closed, agent=DoNothingAgent)
     with pytest.raises(TypeError, match=r"\(grid2op.make\(...\)\), got the class Environment"):
         AsyncRunner(type(env), agent=DoNothingAgent)  # (it failed deep inside, in grid2op)
+    with pytest.raises(TypeError, match=r"got str: grid2op.make\('l2rpn_case14_sandbox', ...\)"):
+        AsyncRunner("l2rpn_case14_sandbox", agent=DoNothingAgent)
 
 
 _IN_CGROUP = """

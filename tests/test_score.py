@@ -373,6 +373,19 @@ async def test_bad_arguments_fail_before_any_episode(
 
 
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_an_env_name_or_a_closed_env_says_what_to_pass(env: Any, tmp_path: Path) -> None:
+    # (grid2op's class failed inside, reading the name's get_path_env)
+    kwargs: dict[str, Any] = dict(competition="l2rpn_2020", cache_dir=tmp_path / "cache")
+    with pytest.raises(TypeError, match=r"got str: grid2op.make\('l2rpn_case14_sandbox', ...\)"):
+        await asyncrunner.score("l2rpn_case14_sandbox", DoNothingAgent, **kwargs)
+    closed = env.copy()
+    closed.close()
+    with pytest.raises(ValueError, match="the env is closed"):
+        await asyncrunner.score(closed, DoNothingAgent, **kwargs)
+    assert not (tmp_path / "cache").exists()
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
 async def test_an_env_replaying_saved_episodes_refuses_more_scenarios_than_it_has(
     env: Any, tmp_path: Path
 ) -> None:

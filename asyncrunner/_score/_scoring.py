@@ -28,7 +28,7 @@ import anyio.to_thread
 from .._exceptions import EpisodeError, unwrapped
 from .._plan._arguments import at_least
 from .._plan._mixes import mixes_of
-from .._runner import AsyncRunner, sharing_workers, usable_cpus
+from .._runner import AsyncRunner, check_env, sharing_workers, usable_cpus
 from ._grid2op import COMPETITIONS, ScorePlan, compute_stats, grid2op_scores
 
 __all__ = ["COMPETITIONS", "ScenarioScore", "ScoreResult", "score"]
@@ -98,6 +98,7 @@ async def score(
     are cached in ``cache_dir`` (default ``~/.cache/asyncrunner/scores``), keyed by everything
     that changes them.
     """
+    check_env(env)
     if competition not in COMPETITIONS:
         raise ValueError(
             f"unknown competition {competition!r}: choose one of {', '.join(COMPETITIONS)}"
