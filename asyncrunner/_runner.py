@@ -555,7 +555,8 @@ class AsyncRunner(AsyncResource):
         unknown = sorted(set(options) - RunOptions.__optional_keys__)
         if unknown:
             call = "stream" if streaming else "run"
-            raise TypeError(f"{call}() got an unexpected keyword argument {unknown[0]!r}")
+            hint = _GRID2OP_ONLY.get(unknown[0], "")
+            raise TypeError(f"{call}() got an unexpected keyword argument {unknown[0]!r}{hint}")
         path_save = options.get("path_save")
         pbar = options.get("pbar", False)
         sinks = options.get("sinks", ())
@@ -734,6 +735,14 @@ def _spawned_workers_import_main() -> bool:
     if name is not None:
         return name != "__main__" and not name.endswith(".__main__")
     return hasattr(main, "__file__")
+
+
+# What grid2op's ``Runner.run`` takes and ``run()`` does not: where it went.
+_GRID2OP_ONLY = {
+    "nb_process": ": the runner's workers play the episodes, AsyncRunner(env, agent=..., "
+    "workers=N) (asyncrunner.compat.Runner takes grid2op's run(nb_episode, nb_process=...))",
+    "add_nb_highres_sim": ": every result has it, EpisodeResult.nb_highres_sim",
+}
 
 
 def check_env(env: Any) -> None:

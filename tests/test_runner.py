@@ -604,6 +604,13 @@ async def test_leaving_a_stream_early_cancels_the_run(env: Any) -> None:
             r"got CallbackSink \(sinks=\[sink\]: a list of one\)",
         ),
         (dict(nb_episode=1, sinks=None, add_detailed_output=True), TypeError, "got NoneType"),
+        (dict(nb_episode=1, bogus=2), TypeError, "unexpected keyword argument 'bogus'$"),
+        (  # grid2op's Runner.run takes it
+            dict(nb_episode=1, nb_process=2),
+            TypeError,
+            r"'nb_process': the runner's workers .* AsyncRunner\(env, agent=..., workers=N\)",
+        ),
+        (dict(nb_episode=1, add_nb_highres_sim=True), TypeError, "EpisodeResult.nb_highres_sim"),
     ],
 )
 async def test_bad_run_arguments_fail_before_any_work(
