@@ -65,9 +65,15 @@ def check_local_workers(workers: int) -> None:
         raise ValueError(
             f"workers={workers} asks for up to {workers} worker processes, each with its own env, "
             f"on the {cpus} CPU(s) this process may use: use at most {_WORKERS_PER_CPU * cpus} "
-            f"({_WORKERS_PER_CPU} per CPU), CentralAgent(agent, envs_per_worker=N) for agents "
-            "that mostly wait, or a cluster (executor=...)"
+            f"({_WORKERS_PER_CPU} per CPU){ELSEWHERE}"
         )
+
+
+# (what ``check_local_workers`` offers besides fewer workers, in Python: the CLI drops it)
+ELSEWHERE = (
+    ", CentralAgent(agent, envs_per_worker=N) for agents that mostly wait, or a cluster "
+    "(executor=...)"
+)
 
 
 def usable_cpus() -> int:

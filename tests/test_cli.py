@@ -144,6 +144,7 @@ BAD = {
     "not an agent": (["--agent", "os:sep"], "os:sep"),
     "unknown env": (["--test", "no_such_env"], "no_such_env"),
     "episode id out of range": (["--episode-id", "99"], "99"),
+    "no such chronic": (["--episode-id", "0003"], "no chronic of that name (0000, 0001, 0002)"),
     "ids and episodes disagree": (["--episode-id", "0", "1", "--episodes", "3"], "--episode-id"),
     "save into a file": (["--save", str(ROOT / "README.md")], "README.md"),
 }
@@ -290,7 +291,8 @@ def test_no_episode_id_hint_without_episode_ids(capsys: pytest.CaptureFixture[st
         main(["run", "--workers", "100000"])
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
-    assert "workers=100000 asks for" in err and "--episode-id" not in err
+    assert "--workers 100000 asks for" in err and "--episode-id" not in err
+    assert "CentralAgent" not in err and "executor=" not in err  # (Python's, not the CLI's)
 
 
 def test_show_plots_each_episodes_rewards_over_the_steps_it_played(tmp_path: Path) -> None:

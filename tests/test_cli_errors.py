@@ -160,6 +160,7 @@ def test_env_name_typo_suggests_the_closest_name_offline(
         capsys,
     )
     assert "--test" not in line or test_flag  # "add --test" was no help
+    assert "make('l2rpn_case14_sandbx')" not in line  # (the download advice repeated the typo)
 
 
 def test_a_test_env_name_without_test_is_refused_offline(

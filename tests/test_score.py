@@ -356,7 +356,11 @@ async def test_path_save_keeps_each_agent_and_reference_and_resumes(
         ({"competition": "l2rpn_2020", "env_seeds": [1]}, "`env_seeds` has 1 seeds for 2"),
         ({"competition": "l2rpn_2020", "resume": True}, "`resume=True` needs `path_save`"),
         ({"competition": "l2rpn_2020", "workers": 0}, "`workers` must be an integer >= 1"),
-        ({"competition": "l2rpn_2020", "nb_scenario": 99}, r"the env has \d+ scenarios"),
+        ({"competition": "l2rpn_2020", "nb_scenario": 99}, r"is 99 but the env has \d+ scenarios"),
+        (
+            {"competition": "l2rpn_2020", "nb_scenario": None},
+            r"is 16 \(the score class's default\) but the env has \d+ scenarios",
+        ),
         ({"competition": "l2rpn_2020", "nb_scenario": 2.5}, "`nb_scenario` must be an integer"),
         ({"competition": "l2rpn_2020", "max_step": 0}, "`max_step` must be an integer >= 1"),
         ({"competition": "l2rpn_2020", "max_step": -5}, "`max_step` must be an integer >= 1"),

@@ -18,6 +18,8 @@ from collections.abc import Callable, Coroutine, Iterator
 from pathlib import Path
 from typing import Any, NoReturn, TypeVar
 
+from .._runner import ELSEWHERE
+
 __all__ = [
     "DEFAULT_ENV",
     "QUIET",
@@ -268,9 +270,10 @@ def _check_env_name(name: str, test: bool) -> None:
     hint = f"did you mean {close[0]!r}? " if close else ""
     if test:
         raise UsageError(f"unknown env {name!r}: {hint}(--test knows grid2op's test envs)")
+    make = "grid2op.make(<its name>)" if close else f"grid2op.make({name!r})"
     raise UsageError(
         f"unknown env {name!r}: {hint}(known offline: grid2op's test envs and the folders in "
-        f"{local_dir}; to download another grid2op dataset, run grid2op.make({name!r}) once)"
+        f"{local_dir}; to download another grid2op dataset, run {make} once)"
     )
 
 
@@ -313,8 +316,15 @@ def _backend(name: str | None) -> Any:
     return LightSimBackend()
 
 
-# The library's messages name its arguments; on the command line they are these options.
-_OPTIONS = {"`nb_scenario`": "--nb-scenario", "`path_save`": "--save", "`cache_dir`": "--cache-dir"}
+# The library's messages name its arguments; on the command line they are these options (and
+# what only Python offers goes).
+_OPTIONS = {
+    "`nb_scenario`": "--nb-scenario",
+    "`path_save`": "--save",
+    "`cache_dir`": "--cache-dir",
+    ELSEWHERE: "",
+    "workers=": "--workers ",
+}
 
 
 def as_options(message: str) -> str:

@@ -103,7 +103,7 @@ class Settings:
             )
         except (ValueError, TypeError) as exc:
             self.env.close()
-            raise UsageError(str(exc) + _swallowed_env_hint(args, names)) from None
+            raise UsageError(as_options(str(exc)) + _swallowed_env_hint(args, names)) from None
         except BaseException:
             self.env.close()
             raise
@@ -130,9 +130,16 @@ def _episode_id(text: str, names: list[str] | None) -> int | str:
     if names is not None and text in names:
         return text
     try:
-        return int(text)
+        value = int(text)
     except ValueError:
         return text
+    if names is not None and not 0 <= value < len(names):  # ("0003": a name, or a position)
+        shown = ", ".join(names[:5]) + (", ..." if len(names) > 5 else "")
+        raise UsageError(
+            f"--episode-id {text}: the env has no chronic of that name ({shown}) and none at "
+            f"that position (0 to {len(names) - 1})"
+        )
+    return value
 
 
 def _swallowed_env_hint(args: argparse.Namespace, names: list[str] | None) -> str:

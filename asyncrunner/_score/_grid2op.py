@@ -208,7 +208,9 @@ def _scorer(
     accepted = inspect.signature(cls.__init__).parameters
     cls.__init__(scorer, env, **{k: v for k, v in kwargs.items() if k in accepted})
     del scorer._init_stat
-    _check_counts(int(scorer.nb_scenario), env_seeds, agent_seeds, _scenario_count(env))
+    _check_counts(
+        int(scorer.nb_scenario), env_seeds, agent_seeds, _scenario_count(env), nb_scenario is None
+    )
     return scorer, refs
 
 
@@ -239,13 +241,15 @@ def _check_counts(
     env_seeds: Sequence[int] | None,
     agent_seeds: Sequence[int] | None,
     scenarios: int | None,
+    default: bool = False,
 ) -> None:
     if nb < 1:
         raise ValueError(f"`nb_scenario` must be >= 1, got {nb}")
     if scenarios is not None and nb > scenarios:
         # grid2op's classes would replay a chronic, whose statistics overwrite the first's.
+        given = "(the score class's default) " if default else ""
         raise ValueError(
-            f"`nb_scenario` is {nb} but the env has {scenarios} "
+            f"`nb_scenario` is {nb} {given}but the env has {scenarios} "
             f"{'scenario' if scenarios == 1 else 'scenarios'} (chronics): ask for at most {scenarios}"
         )
     for name, seeds in (("env_seeds", env_seeds), ("agent_seeds", agent_seeds)):
