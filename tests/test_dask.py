@@ -370,6 +370,35 @@ async def test_cancelling_a_run_stops_the_cluster_work(env: Any, cluster: Any) -
     assert results[0].nb_time_step == 5
 
 
+async def test_a_task_whose_channel_closed_ends_without_failing_and_the_runner_is_told(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The runner stops a task by closing its channel: a CentralAgent's task, waiting for its
+    # action, found it closed at once and failed (ChannelClosed), at times before Dask's cancel
+    # reached its worker, which then logged "Compute Failed" and the traceback at each timeout
+    # or cancelled run. Here the task runs in this process, without the race.
+    from asyncrunner._engine import _channel
+    from asyncrunner._pools import _dask
+
+    def closed(job: Any) -> str:
+        raise _channel.ChannelClosed("the runner's channel closed: EOF")
+
+    monkeypatch.setattr(_channel, "claim", lambda *args: True)
+    monkeypatch.setattr(_dask, "run_episode", closed)
+    job: Any = type(
+        "Job", (), dict(address="", token=b"", claim_key="r/0/0", run_id="r", index=0, attempt=0)
+    )()
+    assert isinstance(_dask._dask_episode(job), str)  # returned: Dask logs no failure
+
+    async def run(task: Any, args: Any, key: str, claim: Any) -> Any:
+        return task(*args)
+
+    executor = _dask.DaskExecutor("tcp://127.0.0.1:1")
+    monkeypatch.setattr(executor, "_run", run)
+    with pytest.raises(_channel.ChannelClosed, match=r"^the runner's channel closed: EOF$"):
+        await executor.play(job)  # (the pool makes it a WorkerDied, as before)
+
+
 @dataclass
 class Commands:
     """A cluster started with Dask's own commands: its scheduler's address and process."""

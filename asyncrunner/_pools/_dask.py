@@ -45,6 +45,10 @@ __all__ = ["DaskExecutor", "DaskPool", "WorkerLost", "as_dask"]
 T = TypeVar("T")
 
 _LOST = "lost"
+# A task whose channel closed returns this and why, raised here (``ChannelClosed``): the runner
+# closes it to stop the task (a cancelled or timed-out episode), which Dask would otherwise log
+# on the worker as a failed computation, with its traceback.
+_CLOSED = "channel closed: "
 # Seconds between two looks at whether the client still has its scheduler, while a task runs.
 _WATCH = 1.0
 # What a worker must have as this process has it for its episodes to be grid2op's here: the
@@ -76,7 +80,10 @@ def _dask_episode(job: EpisodeJob) -> str:
     """Runs on a Dask worker: play ``job`` unless another execution already claimed it."""
     if not _channel.claim(job.address, job.token, job.claim_key):
         return _LOST
-    return run_episode(job)
+    try:
+        return run_episode(job)
+    except _channel.ChannelClosed as exc:
+        return _CLOSED + str(exc)
 
 
 def _is_loopback(host: str) -> bool:
@@ -353,8 +360,11 @@ class DaskExecutor:
         """Play one episode as a task, claimed, stopped and retried as above."""
         key = f"asyncrunner-{job.run_id}-{job.index}-{job.attempt}"
         claim = (job.address, job.claim_key)
-        if await self._run(_dask_episode, (job,), key, claim=claim) == _LOST:
+        result = await self._run(_dask_episode, (job,), key, claim=claim)
+        if result == _LOST:
             raise WorkerLost("the Dask worker playing this episode died")
+        if result.startswith(_CLOSED):
+            raise _channel.ChannelClosed(result.removeprefix(_CLOSED))
 
     async def _run(
         self,
