@@ -385,7 +385,10 @@ def stopping(handler: Callable[[int, Any], None]) -> Iterator[None]:
 def run_until_stopped(main: Coroutine[Any, Any, T]) -> T:
     """``asyncio.run(main)``, which SIGTERM or SIGHUP stops as Ctrl-C does: ``main`` is cancelled
     (the runner stops its workers and removes its temporary folders), then ``Terminated`` is
-    raised. They ended the process at once: not a word, nothing listed, temporary folders left."""
+    raised. They ended the process at once: not a word, nothing listed, temporary folders left.
+    Ctrl-C cancels ``main`` once, as asyncio does, then ``KeyboardInterrupt``; a second one
+    changes nothing (asyncio's raised in the middle of the runner's stop: its sinks were
+    cancelled, and anyio's worker threads, never stopped, kept the process at exit)."""
     got: list[int] = []
     pid = os.getpid()
 
@@ -394,7 +397,7 @@ def run_until_stopped(main: Coroutine[Any, Any, T]) -> T:
         assert task is not None  # (asyncio.run's)
 
         def terminate(signum: int, frame: object) -> None:
-            if os.getpid() != pid:  # a worker forked meanwhile: its runner stops it
+            if os.getpid() != pid or got:  # a worker forked meanwhile: its runner stops it
                 return
             got.append(signum)
             loop.call_soon_threadsafe(task.cancel)
@@ -403,15 +406,31 @@ def run_until_stopped(main: Coroutine[Any, Any, T]) -> T:
             return await main  # (signals reach the main thread only)
         # signal.signal, not the loop's add_signal_handler: Windows' loops have none, and the
         # handler the process had comes back after.
-        with stopping(terminate):
+        with stopping(terminate), _ctrl_c(terminate):
             return await main
 
     try:
         return asyncio.run(stoppable())
     except asyncio.CancelledError:
+        if got == [signal.SIGINT]:
+            raise KeyboardInterrupt from None
         if got:
             raise Terminated(got[0]) from None
         raise
+
+
+@contextlib.contextmanager
+def _ctrl_c(handler: Callable[[int, Any], None]) -> Iterator[None]:
+    """``handler`` for SIGINT in the block, unless the process ignores it (a background job)."""
+    before = signal.getsignal(signal.SIGINT)
+    if before is signal.SIG_IGN:
+        yield
+        return
+    signal.signal(signal.SIGINT, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_DFL if before is None else before)
 
 
 def to_devnull(*streams: Any) -> None:

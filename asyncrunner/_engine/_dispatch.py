@@ -10,6 +10,7 @@ Episodes are handed out one at a time: a dispatcher that finishes takes the next
 
 from __future__ import annotations
 
+import asyncio
 import math
 import secrets
 import threading
@@ -39,7 +40,7 @@ from ..sinks._base import Sink
 from ..sinks._writer import Writer
 from ._central import CentralAgent, serving
 from ._channel import Channel, open_channel, receive_soon, send_soon
-from ._pool import WorkerDied, WorkerPool
+from ._pool import WorkerDied, WorkerPool, on_trio
 from ._recipe import EpisodeJob
 
 __all__ = ["Run", "RunSettings"]
@@ -591,21 +592,27 @@ class _Closes:
     sink that never closes must not keep the caller for ever, and one still draining when the
     run stopped gets its grace to close. ``all_done`` is set once every sink's close is over;
     ``stopped_by``: the exception (the caller's cancellation) that left ``with`` while no sink
-    had failed (``errors``: after one, the run's own grace ends it)."""
+    had failed (``errors``: after one, the run's own grace ends it). ``stopping``: the run is
+    stopping, or the task running it (asyncio's) is being cancelled."""
 
     def __init__(self, count: int, errors: list[SinkError]) -> None:
         self.stopped_by: BaseException | None = None
         self._errors = errors
-        self._hurried = False
+        self.hurried = False
+        self._host = None if on_trio() else asyncio.current_task()
         self._scopes: set[anyio.CancelScope] = set()
         self._left = count
         self.all_done = anyio.Event()
         if not count:
             self.all_done.set()
 
+    @property
+    def stopping(self) -> bool:
+        return self.hurried or (self._host is not None and self._host.cancelling() > 0)
+
     def hurry(self) -> None:
-        if not self._hurried:
-            self._hurried = True
+        if not self.hurried:
+            self.hurried = True
             for scope in self._scopes:
                 scope.deadline = anyio.current_time() + SINK_DRAIN_GRACE
 
@@ -620,7 +627,7 @@ class _Closes:
 
     @contextmanager
     def shielded(self) -> Iterator[anyio.CancelScope]:
-        deadline = anyio.current_time() + SINK_DRAIN_GRACE if self._hurried else math.inf
+        deadline = anyio.current_time() + SINK_DRAIN_GRACE if self.hurried else math.inf
         with anyio.CancelScope(shield=True, deadline=deadline) as scope:
             self._scopes.add(scope)
             try:
@@ -632,14 +639,16 @@ class _Closes:
                     self.all_done.set()
 
 
-def _the_sinks_own(exc: BaseException) -> bool:
+def _the_sinks_own(exc: BaseException, closes: _Closes) -> bool:
     """Whether ``exc`` is the sink's failure: an ``Exception``, or a cancellation no enclosing
     scope asked for (the sink awaited a future someone cancelled, or cancelled its own task),
-    which would otherwise end the run early as if nothing had failed."""
+    which would otherwise end the run early as if nothing had failed. Not while the run is
+    stopping: asyncio may cancel every task itself (after a second Ctrl-C, ``asyncio.run``
+    shuts down), which no scope asked for either."""
     if isinstance(exc, Exception):
         return True
     cancelled = isinstance(exc, anyio.get_cancelled_exc_class())
-    return cancelled and anyio.current_effective_deadline() != -math.inf
+    return cancelled and not closes.stopping and anyio.current_effective_deadline() != -math.inf
 
 
 def _first_failure(errors: list[SinkError]) -> SinkError:
@@ -676,7 +685,7 @@ async def _consume(
                     break
                 except anyio.get_cancelled_exc_class() as exc:
                     # A sink that cancelled its own task and returned gets it here.
-                    if not _the_sinks_own(exc):
+                    if not _the_sinks_own(exc, closes):
                         raise
                     if failed is None:
                         failed = _sink_error(sink, "cancelled its own task", exc)
@@ -688,7 +697,7 @@ async def _consume(
                 try:
                     await sink.send(event)
                 except BaseException as exc:
-                    if not _the_sinks_own(exc):
+                    if not _the_sinks_own(exc, closes):
                         raise
                     failed = _sink_error(sink, f"failed on {type(event).__name__}", exc)
                     errors.append(failed)
@@ -715,7 +724,7 @@ async def _close(sink: Sink, closes: _Closes) -> BaseException | None:
         try:
             await sink.aclose()
         except BaseException as exc:
-            if not _the_sinks_own(exc):
+            if not _the_sinks_own(exc, closes):
                 raise  # the grace is over (``shield`` takes it), or a KeyboardInterrupt
             return exc
     if shield.cancelled_caught:
