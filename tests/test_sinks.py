@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import logging
 import os
@@ -160,6 +161,21 @@ async def test_slow_sink_applies_backpressure_and_others_get_every_event(
 
 
 # --- CallbackSink --------------------------------------------------------------------------
+
+
+async def test_a_writer_s_failure_names_its_folder(
+    runner: AsyncRunner, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # (it said "sink <asyncrunner.sinks._episode_data.EpisodeDataWriter object at 0x7f...>")
+    writer = EpisodeDataWriter(tmp_path / "runs")
+
+    def disk_full(*args: Any) -> str:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(writer, "_place", disk_full)
+    named = f"sink EpisodeDataWriter({str(tmp_path / 'runs')!r}) failed on EpisodeFinished: OSError"
+    with pytest.raises(SinkError, match=re.escape(named)), anyio.fail_after(TIMEOUT):
+        await runner.run(1, max_iter=3, sinks=[writer])
 
 
 async def test_callback_sink_calls_sync_and_async_functions(runner: AsyncRunner) -> None:

@@ -86,6 +86,9 @@ class Writer(Sink):
         self._closes = 0  # aclose calls: a stage made across one is removed (``stage``)
         self._lock = threading.Lock()
 
+    def __repr__(self) -> str:  # (errors name the sink: its folder, not its address)
+        return f"{type(self).__name__}({self.path!r})"
+
     # --- to implement -----------------------------------------------------------------------
 
     @abc.abstractmethod
