@@ -3,9 +3,11 @@ run, bad arguments that used to pass the checks, failure reports, and durable wr
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
+import re
 import resource
 import shutil
 import signal
@@ -161,9 +163,11 @@ async def test_resume_plays_another_agents_episodes(
         nothing = await runner.run(2, path_save=tmp_path, **KWARGS)
         started = Started()
         async with AsyncRunner(case14, agent=RandomAgent, workers=1) as other:
-            random = await other.run(
-                2, path_save=tmp_path, resume=True, sinks=[CallbackSink(started)], **KWARGS
-            )
+            told = f"resume: 2 of the episodes to play have an episode of their chronic saved in {tmp_path}, played with another agent: they play again"
+            with pytest.warns(UserWarning, match=re.escape(told)):
+                random = await other.run(
+                    2, path_save=tmp_path, resume=True, sinks=[CallbackSink(started)], **KWARGS
+                )
             assert sorted(started.indices) == [0, 1]  # RandomAgent's own episodes
             again = Started()
             await other.run(
@@ -192,9 +196,10 @@ async def test_resume_tells_two_lambdas_apart(case14: Any, tmp_path: Path) -> No
             await first.run(2, path_save=tmp_path, **KWARGS)
         started = Started()
         async with AsyncRunner(case14, agent=second_agent, workers=1) as second:
-            await second.run(
-                2, path_save=tmp_path, resume=True, sinks=[CallbackSink(started)], **KWARGS
-            )
+            with pytest.warns(UserWarning, match="played with another agent: they play again"):
+                await second.run(
+                    2, path_save=tmp_path, resume=True, sinks=[CallbackSink(started)], **KWARGS
+                )
     assert sorted(started.indices) == [0, 1]  # played, not read back
 
 
@@ -208,9 +213,10 @@ async def test_resume_plays_another_envs_episodes(
         try:
             async with AsyncRunner(other_env, agent=DoNothingAgent, workers=1) as other:
                 started = Started()
-                played = await other.run(
-                    2, path_save=tmp_path, resume=True, sinks=[CallbackSink(started)], **KWARGS
-                )
+                with pytest.warns(UserWarning, match="played with another env: they play again"):
+                    played = await other.run(
+                        2, path_save=tmp_path, resume=True, sinks=[CallbackSink(started)], **KWARGS
+                    )
         finally:
             other_env.close()
     assert sorted(started.indices) == [0, 1]  # not taken for the first env's episodes
@@ -241,9 +247,16 @@ async def test_resume_plays_episodes_reset_otherwise(runner: AsyncRunner, tmp_pa
         warnings.filterwarnings("ignore", "You provided both `max_iter`", UserWarning)
         for reset in resets:
             started = Started()
-            played = await runner.run(
-                2, path_save=tmp_path, resume=True, sinks=[CallbackSink(started)], **kwargs, **reset
-            )
+            told = "played with another (max_iter or )?initial state or options: they play again"
+            with pytest.warns(UserWarning, match=told) if runs else contextlib.nullcontext():
+                played = await runner.run(
+                    2,
+                    path_save=tmp_path,
+                    resume=True,
+                    sinks=[CallbackSink(started)],
+                    **kwargs,
+                    **reset,
+                )
             again = Started()
             resumed = await runner.run(
                 2, path_save=tmp_path, resume=True, sinks=[CallbackSink(again)], **kwargs, **reset

@@ -361,6 +361,7 @@ def resume_plan(
         pool.setdefault(key, []).append((folder, record))
     todo: list[EpisodeRequest] = []
     done: list[EpisodeResult] = []
+    missing: list[tuple[Any, ...]] = []
     for request in requests:
         key = (
             _episode_key(request.episode_id, None, names),
@@ -374,6 +375,7 @@ def resume_plan(
         found = _intact(path, pool.get(key, []))
         if found is None:
             todo.append(request)
+            missing.append(key)
             continue
         folder, record, meta = found
         done.append(
@@ -390,7 +392,35 @@ def resume_plan(
                 nb_highres_sim=int(record.get("nb_highres_sim", 0)),
             )
         )
+    _warn_played_otherwise(path, missing, [key for key, left in pool.items() if left])
     return todo, done
+
+
+# What a saved episode's key holds after its chronic, as a user names it.
+_KEY_FIELDS = ("agent", "env", "env seed", "agent seed", "max_iter", "initial state or options")
+
+
+def _warn_played_otherwise(path: str, missing: list[Any], unused: list[Any]) -> None:
+    """Warn when episodes to play have a saved episode of their chronic left unused, played with
+    other arguments: ``resume`` plays them again, and the folder then holds both."""
+    differs: set[str] = set()
+    count = 0
+    for key in missing:
+        others = [other for other in unused if other[0] == key[0]]
+        if others:
+            count += 1
+            for other in others:
+                differs.update(
+                    f for f, a, b in zip(_KEY_FIELDS, key[1:], other[1:], strict=True) if a != b
+                )
+    if count:
+        what = " or ".join(f for f in _KEY_FIELDS if f in differs)
+        warnings.warn(
+            f"resume: {count} of the episodes to play have an episode of their chronic saved in "
+            f"{path}, played with another {what}: they play again, saved beside it (resume completes "
+            "a run with the arguments it was started with)",
+            stacklevel=2,
+        )
 
 
 def _intact(
