@@ -255,11 +255,15 @@ def test_an_agent_file_of_a_package_is_refused_with_its_module_form(
 def test_an_episode_id_that_is_a_chronic_s_name_is_that_chronic() -> None:
     # Chronics named 1..20 (sorted: 1, 10, 11, ...): `--episode-id 2` is the chronic "2", not
     # the third one, "11" (every env of grid2op's wheel names its chronics by position).
+    from asyncrunner._cli._common import UsageError
     from asyncrunner._cli._settings import _episode_id
 
     names = sorted(str(i) for i in range(1, 21))
     assert _episode_id("2", names) == "2"
-    assert _episode_id("25", names) == 25
+    assert _episode_id("19", names) == "19"
+    assert _episode_id("0", names) == 0
+    with pytest.raises(UsageError, match=r"no chronic of that name \(1, 10, 11, 12, 13, ...\)"):
+        _episode_id("25", names)
     assert _episode_id("0001", None) == 1
 
 

@@ -702,11 +702,12 @@ async def test_cancel_leaves_complete_folders_and_resume_finishes(
         )
         assert started == []
         assert again == resumed
-        # another seed is another episode: played, saved next to the first one
-        other = await runner.run(
-            1, episode_id=[0], env_seeds=[99], agent_seeds=[5], max_iter=5, path_save=tmp_path,
-            resume=True,
-        )  # fmt: skip
+        # another seed is another episode: played, saved next to the first one, with a word
+        with pytest.warns(UserWarning, match="played with another env seed: they play again"):
+            other = await runner.run(
+                1, episode_id=[0], env_seeds=[99], agent_seeds=[5], max_iter=5,
+                path_save=tmp_path, resume=True,
+            )  # fmt: skip
         assert other[0].path == str(tmp_path / "0000_1")
 
 
