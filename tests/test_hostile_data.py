@@ -242,7 +242,7 @@ async def test_resume_plays_episodes_reset_otherwise(runner: AsyncRunner, tmp_pa
         {"reset_options": {"max step": 5}, "init_states": {"set_bus": {"lines_or_id": [(0, 1)]}}},
         {"max_iter": 5, "reset_options": {"max step": 8}},  # max_iter wins over "max step"
     ]
-    runs = []
+    runs: list[list[int]] = []
     with anyio.fail_after(TIMEOUT), warnings.catch_warnings():
         warnings.filterwarnings("ignore", "You provided both `max_iter`", UserWarning)
         for reset in resets:
