@@ -1102,6 +1102,26 @@ async def test_a_sinks_own_cancellation_is_its_failure_not_the_runs_end(
         assert len(await runner.run(2, max_iter=3)) == 2  # the runner goes on
 
 
+async def test_a_sinks_own_cancellation_in_a_task_cancelled_before_is_its_failure(
+    env: Any, tmp_path: Any
+) -> None:
+    # A task whose earlier cancel was swallowed (``task.cancel()`` to cut a sleep short) has
+    # ``cancelling()`` 1 for good: the run took that for its own stop and a sink's cancellation
+    # for asyncio's, and returned 1 result of 4 without an error (a review).
+    task = asyncio.current_task()
+    assert task is not None
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await asyncio.sleep(5)
+    try:
+        async with AsyncRunner(env, agent=DoNothingAgent, workers=1) as runner:
+            sinks = [CancelledOnItsOwn("task")]
+            with anyio.fail_after(120), pytest.raises(SinkError, match="StepBatch: Cancel"):
+                await runner.run(4, max_iter=20, sinks=sinks)
+    finally:
+        task.uncancel()
+
+
 class SlowSteps(DoNothingAgent):  # type: ignore[misc]  # grid2op is untyped
     calls = 0  # in this process (a thread executor's)
 

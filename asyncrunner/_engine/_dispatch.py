@@ -593,13 +593,15 @@ class _Closes:
     run stopped gets its grace to close. ``all_done`` is set once every sink's close is over;
     ``stopped_by``: the exception (the caller's cancellation) that left ``with`` while no sink
     had failed (``errors``: after one, the run's own grace ends it). ``stopping``: the run is
-    stopping, or the task running it (asyncio's) is being cancelled."""
+    stopping, or the task running it (asyncio's) was cancelled since the run began."""
 
     def __init__(self, count: int, errors: list[SinkError]) -> None:
         self.stopped_by: BaseException | None = None
         self._errors = errors
         self.hurried = False
+        # (and how many cancellations it had then: one its caller swallowed stays counted)
         self._host = None if on_trio() else asyncio.current_task()
+        self._calm = 0 if self._host is None else self._host.cancelling()
         self._scopes: set[anyio.CancelScope] = set()
         self._left = count
         self.all_done = anyio.Event()
@@ -608,7 +610,7 @@ class _Closes:
 
     @property
     def stopping(self) -> bool:
-        return self.hurried or (self._host is not None and self._host.cancelling() > 0)
+        return self.hurried or (self._host is not None and self._host.cancelling() > self._calm)
 
     def hurry(self) -> None:
         if not self.hurried:
