@@ -751,6 +751,53 @@ def test_ctrl_c_reports_what_finished_and_the_printed_command_resumes(
     assert not [p for p in (tmp_path / "runs").iterdir() if p.name.startswith(".")]
 
 
+SLOW_STOP = """
+import asyncio, os, signal, sys, threading, time
+import anyio
+from asyncrunner._cli._common import run_until_stopped
+
+async def main():
+    try:
+        await asyncio.sleep(100)
+    except asyncio.CancelledError:
+        with anyio.CancelScope(shield=True):  # a stop that takes a while (sinks draining)
+            await anyio.sleep(3)
+        raise
+
+def send(second):
+    time.sleep(0.5)
+    os.kill(os.getpid(), signal.SIGINT)
+    time.sleep(0.5)
+    os.kill(os.getpid(), second)
+
+threading.Thread(target=send, args=(getattr(signal, sys.argv[1]),), daemon=True).start()
+start = time.monotonic()
+try:
+    run_until_stopped(main())
+except KeyboardInterrupt as exc:
+    print(type(exc).__name__, time.monotonic() - start)
+"""
+
+
+@pytest.mark.parametrize(
+    ("second", "raised", "whole_stop"),
+    [("SIGINT", "KeyboardInterrupt", True), ("SIGTERM", "Terminated", False)],
+)
+def test_ctrl_c_again_waits_for_the_stop_and_sigterm_still_ends_it(
+    tmp_path: Path, second: str, raised: str, whole_stop: bool
+) -> None:
+    # Only a second Ctrl-C is ignored (asyncio's own raised in the middle of the stop): a
+    # SIGTERM after it (`timeout`, a batch system's limit) still ends the stop now, as before.
+    script = tmp_path / "stop.py"
+    script.write_text(SLOW_STOP)
+    done = subprocess.run(
+        [sys.executable, str(script), second], capture_output=True, text=True, timeout=60
+    )
+    name, seconds = done.stdout.split()
+    assert name == raised, done.stderr
+    assert (float(seconds) >= 3) == whole_stop  # the 3 s stop from the first Ctrl-C at 0.5 s
+
+
 FAILS_ON_ONE = """
 
 class FailsOnOne(Slow):

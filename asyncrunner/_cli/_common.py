@@ -386,9 +386,9 @@ def run_until_stopped(main: Coroutine[Any, Any, T]) -> T:
     """``asyncio.run(main)``, which SIGTERM or SIGHUP stops as Ctrl-C does: ``main`` is cancelled
     (the runner stops its workers and removes its temporary folders), then ``Terminated`` is
     raised. They ended the process at once: not a word, nothing listed, temporary folders left.
-    Ctrl-C cancels ``main`` once, as asyncio does, then ``KeyboardInterrupt``; a second one
-    changes nothing (asyncio's raised in the middle of the runner's stop: its sinks were
-    cancelled, and anyio's worker threads, never stopped, kept the process at exit)."""
+    Ctrl-C cancels ``main``, as asyncio does, then ``KeyboardInterrupt``; a second one changes
+    nothing (asyncio's raised in the middle of the runner's stop: its sinks were cancelled, and
+    anyio's worker threads, never stopped, kept the process at exit), SIGTERM still does."""
     got: list[int] = []
     pid = os.getpid()
 
@@ -397,8 +397,10 @@ def run_until_stopped(main: Coroutine[Any, Any, T]) -> T:
         assert task is not None  # (asyncio.run's)
 
         def terminate(signum: int, frame: object) -> None:
-            if os.getpid() != pid or got:  # a worker forked meanwhile: its runner stops it
+            if os.getpid() != pid:  # a worker forked meanwhile: its runner stops it
                 return
+            if signum == signal.SIGINT and signum in got:
+                return  # Ctrl-C again: the run is stopping (SIGTERM still hurries it)
             got.append(signum)
             loop.call_soon_threadsafe(task.cancel)
 
@@ -412,10 +414,11 @@ def run_until_stopped(main: Coroutine[Any, Any, T]) -> T:
     try:
         return asyncio.run(stoppable())
     except asyncio.CancelledError:
-        if got == [signal.SIGINT]:
-            raise KeyboardInterrupt from None
+        ended = [signum for signum in got if signum != signal.SIGINT]
+        if ended:
+            raise Terminated(ended[0]) from None
         if got:
-            raise Terminated(got[0]) from None
+            raise KeyboardInterrupt from None
         raise
 
 
