@@ -187,6 +187,22 @@ async def test_resume_plays_another_agents_episodes(
     assert back.indices == [] and [r.path for r in resumed] == [r.path for r in nothing]
 
 
+async def test_resume_of_one_of_two_runs_kept_in_one_folder_says_nothing(
+    runner: AsyncRunner, tmp_path: Path
+) -> None:
+    # Two runs of the same chronics with other seeds, saved in one folder on purpose; the
+    # second lost an episode: resuming it plays that one, without a warning about the first
+    # run's episodes (a review; warnings are errors here).
+    other = {**KWARGS, "env_seeds": [7, 8], "agent_seeds": [9, 10]}
+    with anyio.fail_after(TIMEOUT):
+        await runner.run(2, path_save=tmp_path, **KWARGS)
+        second = await runner.run(2, path_save=tmp_path, **other)
+        shutil.rmtree(second[1].path or "")
+        started = Started()
+        await runner.run(2, path_save=tmp_path, resume=True, sinks=[CallbackSink(started)], **other)
+    assert started.indices == [1]
+
+
 async def test_resume_tells_two_lambdas_apart(case14: Any, tmp_path: Path) -> None:
     """Every lambda's qualified name is ``<lambda>``: one agent's episodes were another's."""
     first_agent: Any = lambda space: DoNothingAgent(space)  # noqa: E731

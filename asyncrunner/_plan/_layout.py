@@ -392,7 +392,8 @@ def resume_plan(
                 nb_highres_sim=int(record.get("nb_highres_sim", 0)),
             )
         )
-    _warn_played_otherwise(path, missing, [key for key, left in pool.items() if left])
+    if not done:  # (some read back: the run's own folder, others' runs beside it on purpose)
+        _warn_played_otherwise(path, missing, [key for key, left in pool.items() if left])
     return todo, done
 
 
@@ -402,7 +403,8 @@ _KEY_FIELDS = ("agent", "env", "env seed", "agent seed", "max_iter", "initial st
 
 def _warn_played_otherwise(path: str, missing: list[Any], unused: list[Any]) -> None:
     """Warn when episodes to play have a saved episode of their chronic left unused, played with
-    other arguments: ``resume`` plays them again, and the folder then holds both."""
+    other arguments (none of the run's read back): ``resume`` plays them again, and the folder
+    then holds both."""
     differs: set[str] = set()
     count = 0
     for key in missing:
