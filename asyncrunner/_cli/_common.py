@@ -357,15 +357,19 @@ _STOPS: tuple[signal.Signals, ...] = tuple(
 )
 
 
-def _stop_signals() -> list[signal.Signals]:
-    """The stopping signals this process has not chosen to ignore (``nohup`` ignores SIGHUP)."""
-    return [signum for signum in _STOPS if signal.getsignal(signum) is not signal.SIG_IGN]
+def _stop_signals(extra: tuple[signal.Signals, ...] = ()) -> list[signal.Signals]:
+    """The stopping signals (and ``extra``) this process has not chosen to ignore (``nohup``
+    ignores SIGHUP, a background job SIGINT)."""
+    signums = (*_STOPS, *extra)
+    return [signum for signum in signums if signal.getsignal(signum) is not signal.SIG_IGN]
 
 
 @contextlib.contextmanager
-def kept_handlers() -> Iterator[list[signal.Signals]]:
-    """``_stop_signals()``, whose handlers as they are come back after the block."""
-    previous = {signum: signal.getsignal(signum) for signum in _stop_signals()}
+def kept_handlers(
+    extra: tuple[signal.Signals, ...] = (),
+) -> Iterator[list[signal.Signals]]:
+    """``_stop_signals(extra)``, whose handlers as they are come back after the block."""
+    previous = {signum: signal.getsignal(signum) for signum in _stop_signals(extra)}
     try:
         yield list(previous)
     finally:
@@ -374,9 +378,11 @@ def kept_handlers() -> Iterator[list[signal.Signals]]:
 
 
 @contextlib.contextmanager
-def stopping(handler: Callable[[int, Any], None]) -> Iterator[None]:
-    """``handler`` for ``_stop_signals()`` in the block, the handlers before it after."""
-    with kept_handlers() as signums:
+def stopping(
+    handler: Callable[[int, Any], None], extra: tuple[signal.Signals, ...] = ()
+) -> Iterator[None]:
+    """``handler`` for ``_stop_signals(extra)`` in the block, the handlers before it after."""
+    with kept_handlers(extra) as signums:
         for signum in signums:
             signal.signal(signum, handler)
         yield
@@ -408,7 +414,7 @@ def run_until_stopped(main: Coroutine[Any, Any, T]) -> T:
             return await main  # (signals reach the main thread only)
         # signal.signal, not the loop's add_signal_handler: Windows' loops have none, and the
         # handler the process had comes back after.
-        with stopping(terminate), _ctrl_c(terminate):
+        with stopping(terminate, (signal.SIGINT,)):
             return await main
 
     try:
@@ -420,20 +426,6 @@ def run_until_stopped(main: Coroutine[Any, Any, T]) -> T:
         if got:
             raise KeyboardInterrupt from None
         raise
-
-
-@contextlib.contextmanager
-def _ctrl_c(handler: Callable[[int, Any], None]) -> Iterator[None]:
-    """``handler`` for SIGINT in the block, unless the process ignores it (a background job)."""
-    before = signal.getsignal(signal.SIGINT)
-    if before is signal.SIG_IGN:
-        yield
-        return
-    signal.signal(signal.SIGINT, handler)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, signal.SIG_DFL if before is None else before)
 
 
 def to_devnull(*streams: Any) -> None:

@@ -598,7 +598,7 @@ class _Closes:
     def __init__(self, count: int, errors: list[SinkError]) -> None:
         self.stopped_by: BaseException | None = None
         self._errors = errors
-        self.hurried = False
+        self._hurried = False
         # (and how many cancellations it had then: one its caller swallowed stays counted)
         self._host = None if on_trio() else asyncio.current_task()
         self._calm = 0 if self._host is None else self._host.cancelling()
@@ -610,11 +610,11 @@ class _Closes:
 
     @property
     def stopping(self) -> bool:
-        return self.hurried or (self._host is not None and self._host.cancelling() > self._calm)
+        return self._hurried or (self._host is not None and self._host.cancelling() > self._calm)
 
     def hurry(self) -> None:
-        if not self.hurried:
-            self.hurried = True
+        if not self._hurried:
+            self._hurried = True
             for scope in self._scopes:
                 scope.deadline = anyio.current_time() + SINK_DRAIN_GRACE
 
@@ -629,7 +629,7 @@ class _Closes:
 
     @contextmanager
     def shielded(self) -> Iterator[anyio.CancelScope]:
-        deadline = anyio.current_time() + SINK_DRAIN_GRACE if self.hurried else math.inf
+        deadline = anyio.current_time() + SINK_DRAIN_GRACE if self._hurried else math.inf
         with anyio.CancelScope(shield=True, deadline=deadline) as scope:
             self._scopes.add(scope)
             try:
