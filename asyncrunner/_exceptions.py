@@ -25,9 +25,15 @@ class AsyncRunnerError(Exception):
 
 
 class EpisodeError(AsyncRunnerError):
-    """Raised when an episode fails under ``on_error="raise"``; ``results`` hold what finished."""
+    """Raised when an episode fails under ``on_error="raise"``; ``results`` hold what finished,
+    ``result`` the failed episode's own (its chronic, seeds and steps), when the run made it."""
 
-    def __init__(self, failure: EpisodeFailed, results: list[EpisodeResult]) -> None:
+    def __init__(
+        self,
+        failure: EpisodeFailed,
+        results: list[EpisodeResult],
+        result: EpisodeResult | None = None,
+    ) -> None:
         if failure.steps_lost:
             where = (
                 f"after step {failure.step} (the last step received from its worker; "
@@ -41,10 +47,12 @@ class EpisodeError(AsyncRunnerError):
         )
         self.failure = failure
         self.results = results
+        self.result = result
 
     def __reduce__(self) -> tuple[Any, ...]:
         # (pickled by a process pool, a Dask task...: rebuilt with its failure and results)
-        return type(self), (self.failure, _portable(self.results))
+        result = None if self.result is None else _portable([self.result])[0]
+        return type(self), (self.failure, _portable(self.results), result)
 
 
 class SinkError(AsyncRunnerError):

@@ -36,6 +36,8 @@ class EpisodeRequest:
     """The ``index``-th requested episode, with grid2op's Runner meaning for each field.
 
     ``mix``: the mix to play it on, for a ``MultiMixEnvironment`` (``None`` otherwise).
+    ``chronic``: the name of the chronic it plays, where the env's chronics have names (what
+    its result says when it fails before it starts).
     """
 
     index: int
@@ -46,6 +48,7 @@ class EpisodeRequest:
     init_state: Any
     reset_options: dict[str, Any] | None
     mix: str | None = None
+    chronic: str | None = None
 
 
 class ReadOnly(Mapping[str, Any]):
@@ -297,12 +300,14 @@ class EpisodeResult:
         env_seed: int | None,
         agent_seed: int | None,
         mix: str | None = None,
+        name: str | None = None,
     ) -> EpisodeResult:
-        """The result of a failed episode: its chronic and length from its last start, if any."""
+        """The result of a failed episode: its chronic and length from its last start, if any
+        (else ``name``, the chronic it was to play)."""
         return cls(
             index=failure.index,
             chronics_path=None if started is None else started.chronics_path,
-            name=None if started is None else started.name,
+            name=name if started is None else started.name,
             cum_reward=0.0,
             nb_time_step=failure.step,
             max_ts=0 if started is None else started.max_ts,

@@ -40,6 +40,11 @@ class Boom(BaseAgent):
         if observation.current_step >= 3:
             raise ValueError("boom at step 3")
         return self.action_space({})
+
+
+class NoWeights(Boom):
+    def __init__(self, action_space):
+        raise FileNotFoundError("no weights file")
 """
 
 # Booms from its worker's second episode on (a worker keeps its module).
@@ -441,6 +446,21 @@ def test_failed_row_names_its_chronic_and_length_and_the_traceback_is_on_stderr(
     assert row[:3] == ["0", "0000", "3/5"]  # not "-" and "3/?"
     assert "episode 0 (0000) failed after 3 steps: ValueError: boom at step 3" in err
     assert 'boom_continue.py", line' in err and "Traceback" in err
+
+
+def test_an_episode_failing_before_it_starts_names_its_chronic(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    agent = f"{tmp_path / 'no_weights.py'}:NoWeights"
+    _agents(tmp_path, "no_weights")
+    argv = ["run", "--episodes", "2", "--workers", "1", "--max-iter", "5", "--agent", agent]
+    code, out, err, _ = _main([*argv, "--episode-id", "0002", "1"], capsys)
+    assert code == 1
+    assert out.splitlines()[1].split()[:3] == ["0", "0002", "0/?"]  # not "-"
+    assert "episode 0 (0002) failed after 0 steps: FileNotFoundError: no weights file" in err
+    code, out, err, _ = _main([*argv, "--on-error", "continue"], capsys)
+    assert code == 1
+    assert [line.split()[:2] for line in out.splitlines()[1:3]] == [["0", "0000"], ["1", "0001"]]
 
 
 def test_failed_score_names_the_agent_whose_episode_failed(

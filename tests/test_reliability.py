@@ -226,11 +226,17 @@ async def test_agent_error_raise_carries_finished_results(env: Any, tmp_path: An
     # A run in a process pool (or a Dask task) raises it in its caller: it pickles (it did not:
     # the pool broke), with what it carries, but grid2op's EpisodeData: its objects' classes are
     # made at run time, and another process cannot load them (the pool broke again).
+    # The failed episode's own result: its chronic, seeds and the steps played.
+    failed = info.value.result
+    assert failed is not None and failed.error == info.value.failure
+    assert (failed.index, failed.name, failed.nb_time_step) == (1, "0001", 4)
+    assert (failed.env_seed, failed.agent_seed) == (2, 12)
     again = pickle.loads(pickle.dumps(info.value))
-    assert (str(again), again.failure, again.results) == (
+    assert (str(again), again.failure, again.results, again.result) == (
         str(info.value),
         info.value.failure,
         info.value.results,
+        failed,
     )
     sink_error = pickle.loads(pickle.dumps(SinkError("a sink failed", info.value.results, Sink)))
     assert (str(sink_error), sink_error.results) == ("a sink failed", info.value.results)
@@ -245,6 +251,31 @@ async def test_agent_error_raise_carries_finished_results(env: Any, tmp_path: An
         assert loaded.stdout.split("\n")[-2:] == [f"{type(error).__name__} [(20, None)]", ""], (
             loaded.stderr
         )
+
+
+class NoWeights(DoNothingAgent):  # type: ignore[misc]  # grid2op is untyped
+    def __init__(self, action_space: Any) -> None:
+        raise FileNotFoundError("no weights file")
+
+
+async def test_an_episode_failing_before_it_starts_names_the_chronic_it_was_to_play(
+    env: Any,
+) -> None:
+    """An agent that cannot be made fails each episode before its env is reset: the result
+    still says which chronic (by position or by name), and its seeds."""
+    async with AsyncRunner(env, agent=NoWeights, workers=1) as runner:
+        results = await runner.run(
+            3, max_iter=5, episode_id=[2, "0000", 1], agent_seeds=[4, 5, 6], on_error="continue"
+        )
+        assert [(r.name, r.agent_seed, r.nb_time_step, r.ok) for r in results] == [
+            ("0002", 4, 0, False),
+            ("0000", 5, 0, False),
+            ("0001", 6, 0, False),
+        ]
+        with pytest.raises(EpisodeError, match="no weights file") as info:
+            await runner.run(2, max_iter=5)
+    assert info.value.results == []
+    assert info.value.result is not None and info.value.result.name == "0000"
 
 
 async def test_killed_worker_is_replaced_and_episode_retried(env: Any) -> None:

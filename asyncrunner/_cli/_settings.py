@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from dataclasses import replace
 from typing import Any
 
 from .._exceptions import EpisodeError
@@ -118,8 +117,8 @@ class Settings:
                 results = await runner.run(self.nb_episode, sinks=[tracker], **self.kwargs)
             except EpisodeError as exc:
                 # What finished, plus the failed episode; the rest was cancelled.
-                failed = tracker.failed_result(exc.failure, self.kwargs)
-                results = sorted([*exc.results, failed], key=lambda r: r.index)
+                assert exc.result is not None  # (the run's own error)
+                results = sorted([*exc.results, exc.result], key=lambda r: r.index)
         end = time.perf_counter()
         first = tracker.first if tracker.first is not None else end
         return results, end - tracker.start, first - tracker.start
@@ -199,17 +198,3 @@ class _Tracker(Sink):
                 agent_seed=seeds[1],
                 mix=None if started is None else started.mix,
             )
-
-    def failed_result(self, failure: EpisodeFailed, kwargs: dict[str, Any]) -> EpisodeResult:
-        """The episode that failed the run, as this sink received it (every sink receives an
-        episode's failure before ``run()`` raises it), with its seeds where it failed before it
-        started (each mix of a multimix env plays the ``--episodes`` requested, seeds alike)."""
-        result = self.failed[failure.index]
-        if failure.index not in self.started:
-            env_seeds, agent_seeds = (kwargs[k] for k in ("env_seeds", "agent_seeds"))
-            result = replace(
-                result,
-                env_seed=env_seeds[failure.index % len(env_seeds)] if env_seeds else None,
-                agent_seed=agent_seeds[failure.index % len(agent_seeds)] if agent_seeds else None,
-            )
-        return result

@@ -214,7 +214,11 @@ class Run:
                     send.close()
         results = self._with_paths(self._ordered())
         if self.failure is not None and self.on_error == "raise":
-            raise EpisodeError(self.failure, [r for r in results if r.error is None])
+            raise EpisodeError(
+                self.failure,
+                [r for r in results if r.error is None],
+                self.results[self.failure.index],
+            )
         return results
 
     async def _make_stages(self) -> dict[str, str]:
@@ -328,6 +332,7 @@ class Run:
                     env_seed=request.env_seed,
                     agent_seed=request.agent_seed,
                     mix=request.mix,
+                    name=request.chronic,
                 )
                 self._remaining -= 1
                 if self.failure is None:

@@ -239,6 +239,7 @@ def plan_episodes(
             EpisodeRequest(
                 index=i,
                 episode_id=ep_id,
+                chronic=chronic_of(ep_id, names),
                 env_seed=env_s[i],
                 agent_seed=agent_s[i],
                 max_iter=max_iter,
@@ -280,6 +281,13 @@ def _check_id(ep_id: Any, names: list[str] | None) -> int | str:
             f"{len(names) - 1} (or give a chronic's name)"
         )
     return value
+
+
+def chronic_of(ep_id: int | str, names: list[str] | None) -> str | None:
+    """The name of the chronic a checked episode id plays (``None`` when chronics have none)."""
+    if isinstance(ep_id, str):
+        return ep_id
+    return None if names is None else names[ep_id]
 
 
 def check_with_env(requests: Sequence[EpisodeRequest], env_for: Callable[[Any], Any]) -> None:

@@ -13,7 +13,7 @@ from dataclasses import replace
 from typing import Any, TypeGuard
 
 from .._model import EpisodeRequest
-from ._arguments import _check_id, plan_episodes
+from ._arguments import _check_id, chronic_of, plan_episodes
 
 __all__ = ["mixes_of", "plan_mixes", "runner_params"]
 
@@ -73,7 +73,9 @@ def plan_mixes(
         for request, (mix, ep_id) in zip(base, pairs, strict=True):
             if mix not in names:
                 raise ValueError(f"unknown mix {mix!r}: this env's mixes are {list(names)}")
-            requests.append(replace(request, episode_id=_check_id(ep_id, names[mix]), mix=mix))
+            checked = _check_id(ep_id, names[mix])
+            chronic = chronic_of(checked, names[mix])
+            requests.append(replace(request, episode_id=checked, chronic=chronic, mix=mix))
         return requests
     requests = []
     for mix, mix_names in names.items():

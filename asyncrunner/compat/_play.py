@@ -150,13 +150,14 @@ def call(
         kwargs["sinks"] = [*kwargs.get("sinks", ()), failures]
     try:
         results = session.run(core, kwargs)
-        firsts: dict[int, EpisodeFailed] = {}  # each process's first failure
+        firsts: dict[int, EpisodeResult] = {}  # each process's first failure
         for r in results:
             if r.error is not None:
-                firsts.setdefault(r.index % nb_process, r.error)
+                firsts.setdefault(r.index % nb_process, r)
         if firsts:
-            first = min(firsts.values(), key=lambda f: failures.order.get(f.index, 0))
-            raise EpisodeError(first, [r for r in results if r.ok])
+            first = min(firsts.values(), key=lambda r: failures.order.get(r.index, 0))
+            assert first.error is not None
+            raise EpisodeError(first.error, [r for r in results if r.ok], first)
         return results
     except EpisodeError as exc:
         original = _original(exc.failure)
