@@ -262,7 +262,8 @@ def test_an_episode_id_that_is_a_chronic_s_name_is_that_chronic() -> None:
     assert _episode_id("2", names) == "2"
     assert _episode_id("19", names) == "19"
     assert _episode_id("0", names) == 0
-    with pytest.raises(UsageError, match=r"no chronic of that name \(1, 10, 11, 12, 13, ...\)"):
+    shown = r"name \(1, 10, 11, 12, 13, ...\) and none at that position \(0 to 19\)$"
+    with pytest.raises(UsageError, match=shown):
         _episode_id("25", names)
     assert _episode_id("0001", None) == 1
 

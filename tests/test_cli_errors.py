@@ -168,6 +168,18 @@ def test_env_name_typo_suggests_the_closest_name_offline(
     assert "make('l2rpn_case14_sandbx')" not in line  # (the download advice repeated the typo)
 
 
+def test_an_env_name_like_no_known_one_is_the_name_to_download(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # No close match: the download advice names the env as given (a typo's names <its name>).
+    line = _usage_error(
+        ["run", *SMALL, "--no-test", "qqqq_zzzz"],
+        "unknown env 'qqqq_zzzz': (known offline: grid2op's test envs and the folders in ",
+        capsys,
+    )
+    assert line.endswith("dataset, run grid2op.make('qqqq_zzzz') once)")
+
+
 def test_a_test_env_name_without_test_is_refused_offline(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
@@ -784,13 +796,14 @@ async def main():
             await anyio.sleep(3)
         raise
 
-def send(second):
+def send(first, second):
     time.sleep(0.5)
-    os.kill(os.getpid(), signal.SIGINT)
+    os.kill(os.getpid(), first)
     time.sleep(0.5)
     os.kill(os.getpid(), second)
 
-threading.Thread(target=send, args=(getattr(signal, sys.argv[1]),), daemon=True).start()
+signums = tuple(getattr(signal, name) for name in sys.argv[1:3])
+threading.Thread(target=send, args=signums, daemon=True).start()
 start = time.monotonic()
 try:
     run_until_stopped(main())
@@ -800,18 +813,22 @@ except KeyboardInterrupt as exc:
 
 
 @pytest.mark.parametrize(
-    ("second", "raised", "whole_stop"),
-    [("SIGINT", "KeyboardInterrupt", True), ("SIGTERM", "Terminated", False)],
+    ("second", "raised", "whole_stop", "first"),
+    [
+        ("SIGINT", "KeyboardInterrupt", True, "SIGINT"),
+        ("SIGTERM", "Terminated", False, "SIGINT"),
+        ("SIGTERM", "Terminated", False, "SIGTERM"),  # only Ctrl-C again is ignored
+    ],
 )
 def test_ctrl_c_again_waits_for_the_stop_and_sigterm_still_ends_it(
-    tmp_path: Path, second: str, raised: str, whole_stop: bool
+    tmp_path: Path, second: str, raised: str, whole_stop: bool, first: str
 ) -> None:
     # Only a second Ctrl-C is ignored (asyncio's own raised in the middle of the stop): a
     # SIGTERM after it (`timeout`, a batch system's limit) still ends the stop now, as before.
     script = tmp_path / "stop.py"
     script.write_text(SLOW_STOP)
     done = subprocess.run(
-        [sys.executable, str(script), second], capture_output=True, text=True, timeout=60
+        [sys.executable, str(script), first, second], capture_output=True, text=True, timeout=60
     )
     name, seconds = done.stdout.split()
     assert name == raised, done.stderr
@@ -948,14 +965,23 @@ def test_the_sigterm_handler_is_the_runs_only() -> None:
     def mine(signum: int, frame: object) -> None:
         pass
 
+    async def sigint_handler() -> Any:
+        return signal.getsignal(signal.SIGINT)
+
     previous = signal.signal(signal.SIGTERM, mine)
+    ctrl_c = signal.getsignal(signal.SIGINT)
     try:
         assert run_until_stopped(answer()) == 42
         assert signal.getsignal(signal.SIGTERM) is mine
+        assert signal.getsignal(signal.SIGINT) is ctrl_c  # (Ctrl-C's comes back too)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a background job's: stays ignored
+        assert run_until_stopped(sigint_handler()) is signal.SIG_IGN
+        signal.signal(signal.SIGINT, ctrl_c)
         with ThreadPoolExecutor(1) as pool:
             assert pool.submit(run_until_stopped, answer()).result() == 42
     finally:
         signal.signal(signal.SIGTERM, previous)
+        signal.signal(signal.SIGINT, ctrl_c)
 
 
 def test_two_versions_of_one_file_name_say_what_to_do(tmp_path: Path) -> None:

@@ -203,6 +203,20 @@ async def test_resume_of_one_of_two_runs_kept_in_one_folder_says_nothing(
     assert started.indices == [1]
 
 
+async def test_resume_counts_episodes_not_folders_played_otherwise(
+    runner: AsyncRunner, tmp_path: Path
+) -> None:
+    # Two saved runs of chronic 0 (seeds 7 and 8), then a resume with seed 9: one episode plays
+    # again, beside two folders of its chronic; the warning counts the one episode.
+    one: dict[str, Any] = dict(max_iter=5, episode_id=[0], agent_seeds=[3])
+    with anyio.fail_after(TIMEOUT):
+        for seed in (7, 8):
+            await runner.run(1, path_save=tmp_path, env_seeds=[seed], **one)
+        told = f"resume: 1 of the episodes to play have an episode of their chronic saved in {tmp_path}, played with another env seed: they play again"
+        with pytest.warns(UserWarning, match=re.escape(told)):
+            await runner.run(1, path_save=tmp_path, resume=True, env_seeds=[9], **one)
+
+
 async def test_resume_tells_two_lambdas_apart(case14: Any, tmp_path: Path) -> None:
     """Every lambda's qualified name is ``<lambda>``: one agent's episodes were another's."""
     first_agent: Any = lambda space: DoNothingAgent(space)  # noqa: E731

@@ -163,17 +163,18 @@ async def test_slow_sink_applies_backpressure_and_others_get_every_event(
 # --- CallbackSink --------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("kind", [EpisodeDataWriter, CompactEpisodeWriter])
 async def test_a_writer_s_failure_names_its_folder(
-    runner: AsyncRunner, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    runner: AsyncRunner, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kind: Any
 ) -> None:
     # (it said "sink <asyncrunner.sinks._episode_data.EpisodeDataWriter object at 0x7f...>")
-    writer = EpisodeDataWriter(tmp_path / "runs")
+    writer = kind(tmp_path / "runs")
 
     def disk_full(*args: Any) -> str:
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(writer, "_place", disk_full)
-    named = f"sink EpisodeDataWriter({str(tmp_path / 'runs')!r}) failed on EpisodeFinished: OSError"
+    named = f"sink {kind.__name__}({str(tmp_path / 'runs')!r}) failed on EpisodeFinished: OSError"
     with pytest.raises(SinkError, match=re.escape(named)), anyio.fail_after(TIMEOUT):
         await runner.run(1, max_iter=3, sinks=[writer])
 
