@@ -7,6 +7,8 @@ import contextlib
 import os
 import shutil
 import signal
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -221,6 +223,20 @@ def test_a_grid_parsed_by_an_earlier_process_is_loaded_from_disk(
         for cached in (first, second, third):
             cached.close()
         reference.close()
+
+
+def test_the_command_line_builds_its_env_through_the_cache(tmp_path: Path) -> None:
+    """``asyncrunner run`` (and ``score``) built their env with a plain ``grid2op.make``: every
+    command parsed the grid again (l2rpn_idf_2023: 1.2 s; its workers copy that env)."""
+    command = [sys.executable, "-m", "asyncrunner", "run", "-n", "1", "-w", "1", "--max-iter", "3"]
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path)}
+    tables = []
+    for _ in range(2):
+        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr
+        tables.append(done.stdout.splitlines()[:2])
+        assert len(list((tmp_path / "asyncrunner" / "grids").iterdir())) == 1
+    assert tables[0] == tables[1]  # the grid loaded from disk plays the same episode
 
 
 def _chronic_files(tmp_path: Path) -> dict[str, int]:

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from .._engine._parsed import parsing_once
 from .._exceptions import EpisodeError
 from .._score._scoring import COMPETITIONS, ScoreResult, score
 from ._common import (
@@ -139,7 +140,8 @@ def main(argv: Sequence[str]) -> int:
         parser.error("--seed needs --nb-scenario N (one seed pair per scenario)")
     try:
         agents = [load_agent(spec) for spec in args.agent]
-        env = make_env(args.env, test=args.test, backend=args.backend)
+        with parsing_once():  # (as `asyncrunner run`'s)
+            env = make_env(args.env, test=args.test, backend=args.backend)
     except UsageError as exc:
         parser.error(str(exc))
     from grid2op.Exceptions import Grid2OpException  # grid2op is loaded by now (the env)
