@@ -246,12 +246,19 @@ class AsyncRunner(AsyncResource):
         by_value = executor is not None and not isinstance(
             executor, concurrent.futures.ThreadPoolExecutor
         )
+        forks = forked or isinstance(executor, concurrent.futures.ThreadPoolExecutor)
         if isinstance(executor, concurrent.futures.ProcessPoolExecutor):
             context = getattr(executor, "_mp_context", None)
             forks = context is not None and context.get_start_method() == "fork"
             by_value = not hasattr(sys.modules["__main__"], "__file__") or (
                 not forks and not _spawned_workers_import_main()
             )
+        # Workers that start afresh (spawned, Dask's) import the classes grid2op generated for
+        # the env in a temporary folder (``class_in_file``), which ``env.close()`` deletes;
+        # forked ones have them (``_prepare``).
+        self._imports_classes = not forks and any(
+            map(_classes_in_temporary_folder, [env, *sources.values()])  # a multimix holds it
+        )
         self._recipes = recipes(sources, agent, kind, payload, main_by_value=by_value)
         # The first (or only) recipe: the env the workers build while warming up.
         self._recipe_key, self._recipe_bytes = next(iter(self._recipes.values()))
@@ -570,6 +577,13 @@ class AsyncRunner(AsyncResource):
         episode_timeout = options.get("episode_timeout")
         retries = options.get("retries")
         self._check_open()
+        if self._imports_classes and _closed(self.env):
+            raise ValueError(
+                "env.close() deleted the classes grid2op generated in files for this env "
+                "(class_in_file), which this AsyncRunner's workers import (they are not forked "
+                "from this process): close the env after the runs, or make a new env and "
+                "AsyncRunner"
+            )
         if options.get("init_states") is not None:
             self._check_env_open("init_states", "makes each initial state's action")
         if self._central is not None:
@@ -768,6 +782,14 @@ def _closed(env: Any) -> bool:
     return bool(
         getattr(env, "_MultiMixEnvironment__closed", False)
         or getattr(env, "_BaseEnv__closed", False)
+    )
+
+
+def _classes_in_temporary_folder(env: Any) -> bool:
+    """grid2op generated ``env``'s classes in a folder of its own that ``env.close()`` deletes
+    (``class_in_file``; not ``experimental_read_from_local_dir``'s, which stay)."""
+    return getattr(env, "_local_dir_cls", None) is not None and not getattr(
+        env, "_do_not_erase_local_dir_cls", True
     )
 
 

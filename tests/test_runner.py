@@ -823,6 +823,34 @@ async def test_an_open_runner_saves_after_its_env_was_closed(tmp_path: Any) -> N
     assert len(EpisodeData.from_disk(str(tmp_path), name).actions) == 3
 
 
+async def test_workers_that_import_the_envs_generated_classes_refuse_it_once_closed(
+    tmp_path: Path,
+) -> None:
+    # class_in_file: grid2op generates the env's classes in a folder that env.close() deletes.
+    # Spawned workers import them from it: their episodes failed with "No module named
+    # 'tmp...'" (config hunt); forked workers have them, and play on.
+    from grid2op.Backend import PandaPowerBackend
+
+    folder = tmp_path / "case14"
+    shutil.copytree(Path(grid2op.__file__).parent / "data" / "l2rpn_case14_sandbox", folder)
+    env = quiet(grid2op.make, str(folder), backend=PandaPowerBackend(), class_in_file=True)
+    assert env.classes_are_in_files()
+    spawned = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
+    try:
+        forked = AsyncRunner(env, agent=DoNothingAgent, workers=1)
+        imports = AsyncRunner(env, agent=DoNothingAgent, workers=1, executor=spawned)
+        async with forked, imports:
+            before = [r.cum_reward for r in await forked.run(1, max_iter=3, env_seeds=[1])]
+            env.close()
+            assert not any(p.is_dir() for p in (folder / "_grid2op_classes").iterdir())
+            with pytest.raises(ValueError, match=r"env\.close\(\) deleted the classes .* close"):
+                await imports.run(1, max_iter=3)
+            after = [r.cum_reward for r in await forked.run(1, max_iter=3, env_seeds=[1])]
+    finally:
+        spawned.shutdown()
+    assert after == before
+
+
 async def test_an_env_made_after_chronics_were_added_is_not_an_open_runners(
     tmp_path: Path,
 ) -> None:
