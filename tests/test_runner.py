@@ -841,6 +841,7 @@ async def test_workers_that_import_the_envs_generated_classes_refuse_it_once_clo
         imports = AsyncRunner(env, agent=DoNothingAgent, workers=1, executor=spawned)
         async with forked, imports:
             before = [r.cum_reward for r in await forked.run(1, max_iter=3, env_seeds=[1])]
+            assert [r.cum_reward for r in await imports.run(1, max_iter=3, env_seeds=[1])] == before
             env.close()
             assert not any(p.is_dir() for p in (folder / "_grid2op_classes").iterdir())
             with pytest.raises(ValueError, match=r"env\.close\(\) deleted the classes .* close"):
