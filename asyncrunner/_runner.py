@@ -246,17 +246,17 @@ class AsyncRunner(AsyncResource):
         by_value = executor is not None and not isinstance(
             executor, concurrent.futures.ThreadPoolExecutor
         )
-        forks = forked or isinstance(executor, concurrent.futures.ThreadPoolExecutor)
         if isinstance(executor, concurrent.futures.ProcessPoolExecutor):
             context = getattr(executor, "_mp_context", None)
             forks = context is not None and context.get_start_method() == "fork"
             by_value = not hasattr(sys.modules["__main__"], "__file__") or (
                 not forks and not _spawned_workers_import_main()
             )
-        # Workers that start afresh (spawned, Dask's) import the classes grid2op generated for
-        # the env in a temporary folder (``class_in_file``), which ``env.close()`` deletes;
-        # forked ones have them (``_prepare``).
-        self._imports_classes = not forks and any(
+        # An executor's workers (spawned, Dask's, or forked before the env was made) import the
+        # classes grid2op generated for the env in a temporary folder (``class_in_file``), which
+        # ``env.close()`` deletes; this runner's forked workers have them (``_prepare``).
+        in_process = isinstance(executor, concurrent.futures.ThreadPoolExecutor)
+        self._imports_classes = not (forked or in_process) and any(
             map(_classes_in_temporary_folder, [env, *sources.values()])  # a multimix holds it
         )
         self._recipes = recipes(sources, agent, kind, payload, main_by_value=by_value)
@@ -580,9 +580,8 @@ class AsyncRunner(AsyncResource):
         if self._imports_classes and _closed(self.env):
             raise ValueError(
                 "env.close() deleted the classes grid2op generated in files for this env "
-                "(class_in_file), which this AsyncRunner's workers import (they are not forked "
-                "from this process): close the env after the runs, or make a new env and "
-                "AsyncRunner"
+                "(class_in_file), which the workers of this AsyncRunner's executor import: close "
+                "the env after the runs, or make a new env and AsyncRunner"
             )
         if options.get("init_states") is not None:
             self._check_env_open("init_states", "makes each initial state's action")

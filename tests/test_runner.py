@@ -823,22 +823,27 @@ async def test_an_open_runner_saves_after_its_env_was_closed(tmp_path: Any) -> N
     assert len(EpisodeData.from_disk(str(tmp_path), name).actions) == 3
 
 
-async def test_workers_that_import_the_envs_generated_classes_refuse_it_once_closed(
-    tmp_path: Path,
+@pytest.mark.parametrize("start", ["spawn", "fork"])
+async def test_an_executor_started_before_a_class_in_file_env_plays_it_until_it_is_closed(
+    tmp_path: Path, start: str
 ) -> None:
-    # class_in_file: grid2op generates the env's classes in a folder that env.close() deletes.
-    # Spawned workers import them from it: their episodes failed with "No module named
-    # 'tmp...'" (config hunt); forked workers have them, and play on.
+    # class_in_file: grid2op generates the env's classes in a folder of the env's, imported by
+    # name from the folder grid2op.make puts on sys.path. An executor's workers started before
+    # the env was made (a Dask cluster's, the README's recipe) lacked that entry: every episode
+    # failed with "No module named 'tmp...'" (class_in_file hunt). env.close() deletes the
+    # folder: those workers then refuse up front (they failed each episode with the same
+    # error); this runner's forked workers have the classes, and play on.
     from grid2op.Backend import PandaPowerBackend
 
-    folder = tmp_path / "case14"
-    shutil.copytree(Path(grid2op.__file__).parent / "data" / "l2rpn_case14_sandbox", folder)
-    env = quiet(grid2op.make, str(folder), backend=PandaPowerBackend(), class_in_file=True)
-    assert env.classes_are_in_files()
-    spawned = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
+    executor = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context(start))
     try:
+        assert executor.submit(int).result() == 0  # its worker starts before the env is made
+        folder = tmp_path / "case14"
+        shutil.copytree(Path(grid2op.__file__).parent / "data" / "l2rpn_case14_sandbox", folder)
+        env = quiet(grid2op.make, str(folder), backend=PandaPowerBackend(), class_in_file=True)
+        assert env.classes_are_in_files()
         forked = AsyncRunner(env, agent=DoNothingAgent, workers=1)
-        imports = AsyncRunner(env, agent=DoNothingAgent, workers=1, executor=spawned)
+        imports = AsyncRunner(env, agent=DoNothingAgent, workers=1, executor=executor)
         async with forked, imports:
             before = [r.cum_reward for r in await forked.run(1, max_iter=3, env_seeds=[1])]
             assert [r.cum_reward for r in await imports.run(1, max_iter=3, env_seeds=[1])] == before
@@ -848,7 +853,7 @@ async def test_workers_that_import_the_envs_generated_classes_refuse_it_once_clo
                 await imports.run(1, max_iter=3)
             after = [r.cum_reward for r in await forked.run(1, max_iter=3, env_seeds=[1])]
     finally:
-        spawned.shutdown()
+        executor.shutdown()
     assert after == before
 
 

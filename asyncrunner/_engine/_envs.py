@@ -84,6 +84,7 @@ class _Cached:
                 self.built = env
                 return contextlib.nullcontext(env)
 
+        _find_generated_classes(self.recipe.params)
         # parsing_once: another env of the same grid (a score's other parametrisation) does
         # not parse the grid's file again.
         with quiet(), parsing_once(), _missing_files(self.recipe.params):
@@ -671,6 +672,18 @@ def _missing_files(params: Mapping[str, Any]) -> Iterator[None]:
                     "on every worker's machine, or keep it on a filesystem they share"
                 ) from exc
         raise
+
+
+def _find_generated_classes(params: Mapping[str, Any]) -> None:
+    """Put the folder of the classes grid2op generated in files for the env (``class_in_file``,
+    ``experimental_read_from_local_dir``) on ``sys.path``, where ``grid2op.make`` put it in the
+    caller's process: grid2op imports them from there by name. A worker started before the env
+    was made (a Dask worker, an executor's) has no such entry."""
+    folder = params.get("_read_from_local_dir")
+    if isinstance(folder, str):
+        for entry in (os.path.dirname(folder), folder):
+            if entry not in sys.path:
+                sys.path.append(entry)
 
 
 def _unpickled(recipe_bytes: bytes) -> Recipe:
