@@ -26,7 +26,15 @@ from anyio.streams.memory import MemoryObjectSendStream
 
 from ._engine._central import CentralAgent
 from ._engine._dispatch import Run, RunSettings
-from ._engine._envs import copies_faithfully, dropped, fresh_copy, hold, release, warm
+from ._engine._envs import (
+    copies_faithfully,
+    dropped,
+    fresh_copy,
+    generated_classes,
+    hold,
+    release,
+    warm,
+)
 from ._engine._parsed import ParsedAhead
 from ._engine._pool import WorkerPool, on_trio
 from ._engine._recipe import agent_name, agent_recipe, class_attributes, env_key, recipes
@@ -252,13 +260,14 @@ class AsyncRunner(AsyncResource):
             by_value = not hasattr(sys.modules["__main__"], "__file__") or (
                 not forks and not _spawned_workers_import_main()
             )
-        # An executor's workers (spawned, Dask's, or forked before the env was made) import the
-        # classes grid2op generated for the env in a temporary folder (``class_in_file``), which
-        # ``env.close()`` deletes; this runner's forked workers have them (``_prepare``).
+        # Workers that are not forked here (spawned, Dask's, an executor's forked before the env
+        # was made) may import the classes grid2op generated for the env in a temporary folder
+        # (``class_in_file``), which ``env.close()`` deletes (``_prepare``).
         in_process = isinstance(executor, concurrent.futures.ThreadPoolExecutor)
-        self._imports_classes = not (forked or in_process) and any(
-            map(_classes_in_temporary_folder, [env, *sources.values()])  # a multimix holds it
-        )
+        folders = {
+            generated_classes(getattr(s, "_read_from_local_dir", None)) for s in sources.values()
+        }
+        self._class_folders = () if forked or in_process else tuple(sorted(filter(None, folders)))
         self._recipes = recipes(sources, agent, kind, payload, main_by_value=by_value)
         # The first (or only) recipe: the env the workers build while warming up.
         self._recipe_key, self._recipe_bytes = next(iter(self._recipes.values()))
@@ -577,12 +586,8 @@ class AsyncRunner(AsyncResource):
         episode_timeout = options.get("episode_timeout")
         retries = options.get("retries")
         self._check_open()
-        if self._imports_classes and _closed(self.env):
-            raise ValueError(
-                "env.close() deleted the classes grid2op generated in files for this env "
-                "(class_in_file), which the workers of this AsyncRunner's executor import: close "
-                "the env after the runs, or make a new env and AsyncRunner"
-            )
+        if self._class_folders:
+            await self._check_class_folders()
         if options.get("init_states") is not None:
             self._check_env_open("init_states", "makes each initial state's action")
         if self._central is not None:
@@ -648,6 +653,19 @@ class AsyncRunner(AsyncResource):
             exceptions=self._send_exceptions,
         )
         return Run(self._get_pool(), requests, settings, skipped=skipped)
+
+    async def _check_class_folders(self) -> None:
+        """Refuse a run once a folder of generated classes its workers may import is gone."""
+        gone = await anyio.to_thread.run_sync(
+            lambda: [f for f in self._class_folders if not os.path.isdir(f)]
+        )
+        if gone:
+            raise ValueError(
+                f"the classes grid2op generated in files for this env (class_in_file) are gone "
+                f"from {gone[0]} (env.close() deletes them), and this AsyncRunner's workers, not "
+                "forked from this process, may need them: close the env after the runs, or make "
+                "a new env and AsyncRunner"
+            )
 
     def _check_agent_class(self) -> None:
         """Refuse a run whose agent class's attributes changed since the runner was made (as
@@ -781,14 +799,6 @@ def _closed(env: Any) -> bool:
     return bool(
         getattr(env, "_MultiMixEnvironment__closed", False)
         or getattr(env, "_BaseEnv__closed", False)
-    )
-
-
-def _classes_in_temporary_folder(env: Any) -> bool:
-    """grid2op generated ``env``'s classes in a folder of its own that ``env.close()`` deletes
-    (``class_in_file``; not ``experimental_read_from_local_dir``'s, which stay)."""
-    return getattr(env, "_local_dir_cls", None) is not None and not getattr(
-        env, "_do_not_erase_local_dir_cls", True
     )
 
 

@@ -831,8 +831,9 @@ async def test_an_executor_started_before_a_class_in_file_env_plays_it_until_it_
     # name from the folder grid2op.make puts on sys.path. An executor's workers started before
     # the env was made (a Dask cluster's, the README's recipe) lacked that entry: every episode
     # failed with "No module named 'tmp...'" (class_in_file hunt). env.close() deletes the
-    # folder: those workers then refuse up front (they failed each episode with the same
-    # error); this runner's forked workers have the classes, and play on.
+    # folder, which workers not forked from this process may then need (a worker that had not
+    # built the env failed each episode with the same error): their runners refuse, a copy's
+    # too; this runner's forked workers have the classes, and play on.
     from grid2op.Backend import PandaPowerBackend
 
     executor = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context(start))
@@ -844,13 +845,15 @@ async def test_an_executor_started_before_a_class_in_file_env_plays_it_until_it_
         assert env.classes_are_in_files()
         forked = AsyncRunner(env, agent=DoNothingAgent, workers=1)
         imports = AsyncRunner(env, agent=DoNothingAgent, workers=1, executor=executor)
+        of_copy = AsyncRunner(env.copy(), agent=DoNothingAgent, workers=1, executor=executor)
         async with forked, imports:
             before = [r.cum_reward for r in await forked.run(1, max_iter=3, env_seeds=[1])]
             assert [r.cum_reward for r in await imports.run(1, max_iter=3, env_seeds=[1])] == before
             env.close()
             assert not any(p.is_dir() for p in (folder / "_grid2op_classes").iterdir())
-            with pytest.raises(ValueError, match=r"env\.close\(\) deleted the classes .* close"):
-                await imports.run(1, max_iter=3)
+            for runner in (imports, of_copy):
+                with pytest.raises(ValueError, match=r"class_in_file\) are gone from .* close the"):
+                    await runner.run(1, max_iter=3)
             after = [r.cum_reward for r in await forked.run(1, max_iter=3, env_seeds=[1])]
     finally:
         executor.shutdown()

@@ -674,13 +674,23 @@ def _missing_files(params: Mapping[str, Any]) -> Iterator[None]:
         raise
 
 
+def generated_classes(folder: Any) -> str | None:
+    """``folder`` (an env's ``_read_from_local_dir``) when it holds the classes grid2op generated
+    in files for the env (``class_in_file``: a temporary folder, which the env's ``close()``
+    deletes); ``None`` otherwise (``experimental_read_from_local_dir``'s ``_grid2op_classes``,
+    kept, is found by grid2op itself)."""
+    if isinstance(folder, str) and os.path.basename(os.path.normpath(folder)) != "_grid2op_classes":
+        return folder
+    return None
+
+
 def _find_generated_classes(params: Mapping[str, Any]) -> None:
-    """Put the folder of the classes grid2op generated in files for the env (``class_in_file``,
-    ``experimental_read_from_local_dir``) on ``sys.path``, where ``grid2op.make`` put it in the
-    caller's process: grid2op imports them from there by name. A worker started before the env
-    was made (a Dask worker, an executor's) has no such entry."""
-    folder = params.get("_read_from_local_dir")
-    if isinstance(folder, str):
+    """Put the folder of the classes grid2op generated in files for the env on ``sys.path`` (and
+    its parent), as generating them did in the process that made the env: grid2op imports them
+    from there by name. A worker started before the env was made (a Dask worker, an
+    executor's) has no such entry."""
+    folder = generated_classes(params.get("_read_from_local_dir"))
+    if folder is not None:
         for entry in (os.path.dirname(folder), folder):
             if entry not in sys.path:
                 sys.path.append(entry)
