@@ -28,6 +28,7 @@ agent instance (megabytes, pickled) crosses to each worker once, not with every 
 
 from __future__ import annotations
 
+import atexit
 import errno
 import hmac
 import logging
@@ -546,6 +547,7 @@ async def open_channel(max_buffer: int = 64, listen: str | None = None) -> Async
     if listen is not None and tcp is None:
         raise ValueError(f"`listen` must look like tcp://HOST:PORT, got {listen!r}")
     folder = await anyio.to_thread.run_sync(_channel_folder)
+    _FOLDERS.add(folder)
     address = os.path.join(folder, "channel")
     send, receive = anyio.create_memory_object_stream[Any](max_buffer)
     try:
@@ -574,6 +576,7 @@ async def open_channel(max_buffer: int = 64, listen: str | None = None) -> Async
             channel._report()
     finally:
         shutil.rmtree(folder, ignore_errors=True)
+        _FOLDERS.discard(folder)
 
 
 def _channel_folder() -> str:
@@ -630,6 +633,16 @@ def remove_stale_folders(root: str) -> None:
 
 # The channels open in this process, by address (the Dask executor drops claims through them).
 _OPEN: dict[str, Channel] = {}
+# Their private folders, removed at this process's exit too: an event loop stopped with a run
+# going (Jupyter's ``quit()``, a loop that never cancels its tasks) ran no cleanup.
+_FOLDERS: set[str] = set()
+
+
+@atexit.register
+def _remove_folders(pid: int = os.getpid()) -> None:
+    if os.getpid() == pid:  # not in a forked process, which has its parent's set
+        for folder in list(_FOLDERS):
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 def listening(address: str) -> Channel | None:

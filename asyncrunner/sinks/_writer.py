@@ -5,6 +5,7 @@ event loop), each episode moved into place atomically."""
 from __future__ import annotations
 
 import abc
+import atexit
 import functools
 import hashlib
 import json
@@ -46,6 +47,26 @@ _TMP_OWNER = re.compile(rf"^{re.escape(TMP_PREFIX)}([0-9a-f]{{8}})-([0-9]+)-")
 # This process's work in progress, by path: a dead run's folder may carry our pid (pid reuse).
 _LIVE: set[str] = set()
 _LIVE_LOCK = threading.Lock()
+
+
+@atexit.register
+def _remove_live(pid: int = os.getpid()) -> None:
+    """At this process's exit, the work in progress of runs still open: an event loop stopped
+    with a run going (Jupyter's ``quit()``, a loop that never cancels its tasks) ran no cleanup.
+    Not in a forked process, which has its parent's set."""
+    if os.getpid() != pid:
+        return
+    with _LIVE_LOCK:
+        paths = list(_LIVE)
+        _LIVE.clear()
+    for path in paths:
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
 
 
 class Writer(Sink):
