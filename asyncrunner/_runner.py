@@ -310,7 +310,7 @@ class AsyncRunner(AsyncResource):
         self._closed = False
         # The runs playing, each in a scope that closing the runner cancels, and an event set
         # when none is left (when the last one ends).
-        self._playing: set[anyio.CancelScope] = set()
+        self._playing: dict[anyio.CancelScope, Run] = {}
         # Set by the run that leaves only those its closer plays a part in (``_closer_in``).
         self._none_playing: anyio.Event | None = None
         self._closer_in: frozenset[anyio.CancelScope] = frozenset()
@@ -440,12 +440,13 @@ class AsyncRunner(AsyncResource):
         self._closed = True
         try:
             if self._playing:
-                for scope in self._playing:
-                    scope.cancel()
+                for scope, run in self._playing.items():
+                    if not run.stop():  # (its sinks then place what finished)
+                        scope.cancel()
                 # Not for the runs this call is part of (a sink closing, a shielded callback):
                 # they wait for it, and end cancelled after it.
                 self._closer_in = _INSIDE.get()
-                if not self._playing <= self._closer_in:
+                if not self._playing.keys() <= self._closer_in:
                     self._none_playing = anyio.Event()
                     await self._none_playing.wait()
         finally:
@@ -542,14 +543,16 @@ class AsyncRunner(AsyncResource):
         with anyio.CancelScope() as scope:
             with self._loop_lock:
                 self._check_loop()
-                self._playing.add(scope)
+                self._playing[scope] = run
             inside = _INSIDE.set(_INSIDE.get() | {scope})  # its tasks (sinks) inherit it
             try:
-                return await run.execute(send)
+                results = await run.execute(send)
+                if not run.stopped:
+                    return results
             finally:
                 _INSIDE.reset(inside)
-                self._playing.discard(scope)
-                if self._none_playing is not None and self._playing <= self._closer_in:
+                self._playing.pop(scope, None)
+                if self._none_playing is not None and self._playing.keys() <= self._closer_in:
                     self._none_playing.set()
         raise AsyncRunnerError(
             "the AsyncRunner was closed while this run played: the episodes it finished are "

@@ -841,6 +841,42 @@ def one_saved(folder: str) -> None:
 
 
 @BOTH_LOOPS
+@pytest.mark.parametrize("closer", ["caller", "sink"])
+async def test_closing_a_runner_mid_run_keeps_each_episode_the_sinks_were_told_finished(
+    env: Any, tmp_path: Any, closer: str
+) -> None:
+    # aclose() cancelled the whole run, its sinks with it: the writer lost the episode that had
+    # just finished, which the other sinks had been told of (and the error says it is saved).
+    runner = AsyncRunner(env, agent=DoNothingAgent, workers=2)
+    finished: list[int] = []
+    told = anyio.Event()
+
+    async def on(event: Event) -> None:
+        if isinstance(event, EpisodeFinished):
+            finished.append(event.index)
+            told.set()
+            if closer == "sink":
+                await runner.aclose()
+
+    async def play() -> None:
+        with pytest.raises(AsyncRunnerError, match="closed while this run played"):
+            await runner.run(4, max_iter=30, path_save=tmp_path, sinks=[CallbackSink(on)])
+
+    await runner.__aenter__()
+    async with anyio.create_task_group() as group:
+        group.start_soon(play)
+        await told.wait()
+        await runner.aclose()
+    saved = {
+        json.loads((p / "asyncrunner.json").read_text())["index"]
+        for p in tmp_path.iterdir()
+        if (p / "asyncrunner.json").is_file()
+    }
+    assert finished and saved >= set(finished)
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+
+
+@BOTH_LOOPS
 async def test_closing_a_runner_stops_the_runs_playing_on_it(env: Any, tmp_path: Any) -> None:
     # A service closing (or replacing) its runner while another task's run plays: aclose
     # returned at once, the run went on to its end, and its workers outlived the runner.

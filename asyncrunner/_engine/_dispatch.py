@@ -126,6 +126,19 @@ class Run:
         self._agent: Any = None  # the CentralAgent's server during execute, if any
         # Where the workers write the files, by format (``_make_stages``).
         self._stages: dict[str, str] = {}
+        self._stop_playing: Callable[[], None] | None = None  # once the sinks are started
+        self.stopped = False  # by ``stop``
+
+    def stop(self) -> bool:
+        """Stop playing (the runner closing): the sinks finish the events they were given (a
+        writer places the episodes that finished) within ``SINK_DRAIN_GRACE``, and ``execute``
+        returns with ``stopped`` set. False before the sinks started: nothing was given to them,
+        the caller cancels the run."""
+        if self._stop_playing is None:
+            return False
+        self.stopped = True
+        self._stop_playing()
+        return True
 
     async def execute(
         self, out: MemoryObjectSendStream[Event] | None = None
@@ -143,7 +156,7 @@ class Run:
         closes = _Closes(len(self.sinks), sink_errors)
         ended: RunFinished | None = None
 
-        def stop_for_sink() -> None:
+        def stop_playing() -> None:  # a sink failed, or ``stop``
             playing.cancel()
             scope = sink_group.cancel_scope
             scope.deadline = min(scope.deadline, anyio.current_time() + SINK_DRAIN_GRACE)
@@ -162,8 +175,9 @@ class Run:
                             send, receive = anyio.create_memory_object_stream[Event](SINK_BUFFER)
                             sink_sends.append(send)
                             sink_group.start_soon(
-                                _consume, sink, receive, sink_errors, stop_for_sink, closes
+                                _consume, sink, receive, sink_errors, stop_playing, closes
                             )
+                        self._stop_playing = stop_playing
                         targets = [
                             (send, sink.episode_format is not None)
                             for send, sink in zip(sink_sends, self.sinks, strict=True)
@@ -210,6 +224,7 @@ class Run:
                     exc.results = finished
                 raise
             finally:
+                self._stop_playing = None
                 for send in sink_sends:
                     send.close()
         results = self._with_paths(self._ordered())
