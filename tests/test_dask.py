@@ -297,6 +297,40 @@ async def test_killed_dask_worker_episode_is_retried_once(env: Any, cluster: Any
         assert firsts == sorted(firsts) and lengths == 200
 
 
+class CrashesOnce(BaseAgent):  # type: ignore[misc]  # grid2op is untyped
+    """Crashes its worker process at its first step, once (the first to make ``marker``)."""
+
+    def __init__(self, action_space: Any, marker: str) -> None:
+        super().__init__(action_space)
+        self.marker = marker
+
+    def act(self, observation: Any, reward: float, done: bool = False) -> Any:
+        try:
+            os.close(os.open(self.marker, os.O_CREAT | os.O_EXCL))
+        except FileExistsError:
+            return self.action_space({})
+        os._exit(3)
+
+
+@BOTH_LOOPS  # the cluster on this loop (asyncio), or on a thread of its own (trio)
+async def test_a_local_cluster_whose_worker_is_lost_for_good_gets_it_back(
+    env: Any, tmp_path: Path
+) -> None:
+    # A LocalCluster closes a crashed worker's nanny for good when the restarted worker is not
+    # back within lost-worker-timeout (15 s; an agent crashing its worker again and again did it
+    # here): with no worker left the run waited for ever, without a word.
+    from asyncrunner.dask import DaskExecutor
+
+    agent = CrashesOnce(env.action_space, str(tmp_path / "crashed"))
+    with dask.config.set({"distributed.deploy.lost-worker-timeout": "0.1s"}):
+        async with AsyncRunner(
+            env, agent=agent, workers=1, executor=DaskExecutor(local_workers=1)
+        ) as runner:
+            with anyio.fail_after(120):
+                results = await runner.run(2, max_iter=5, on_error="continue")
+    assert [(r.error, r.nb_time_step) for r in results] == [(None, 5), (None, 5)]
+
+
 async def test_episodes_cancelled_by_a_cluster_restart_are_retried(env: Any) -> None:
     """``client.restart()`` cancels every task ("Please re-run your work"): a worker loss."""
     events: list[Any] = []

@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import functools
 import ipaddress
 import math
 import socket
@@ -385,15 +386,16 @@ class DaskExecutor:
         try:
             # Dask leaves the future pending for ever when the client loses its scheduler:
             # look at the client now and then while waiting.
+            look = functools.partial(self._look, client)
             if client.asynchronous:
-                result = await _result(client, future)
+                result = await _result(look, future)
             else:
                 # A thread per episode playing, not from anyio's default pool: the sinks need
                 # that one to finish (the runner bounds how many episodes play).
                 if self._waits is None:
                     self._waits = anyio.CapacityLimiter(math.inf)
                 result = await anyio.to_thread.run_sync(
-                    _wait, client, future, abandon_on_cancel=True, limiter=self._waits
+                    _wait, look, future, abandon_on_cancel=True, limiter=self._waits
                 )
             done = True
         except concurrent.futures.CancelledError as exc:
@@ -418,6 +420,17 @@ class DaskExecutor:
                             await anyio.to_thread.run_sync(future.cancel)
         return result
 
+    def _look(self, client: Any) -> None:
+        """What a wait for a task does now and then: ``SchedulerLost`` once the client closed;
+        and it keeps a cluster started here whole. Dask's ``LocalCluster`` closes a worker's
+        nanny for good when the worker it restarts after a crash is not back within
+        ``distributed.deploy.lost-worker-timeout`` (15 s): an agent crashing its worker again
+        and again left the cluster with no worker, and the run waiting for ever."""
+        _check_client(client)
+        cluster, wanted = self._cluster, self._local_workers
+        if cluster is not None and wanted is not None and len(cluster.workers) < wanted:
+            cluster.scale(wanted)  # (from any thread: it only asks the cluster's loop)
+
     async def aclose(self) -> None:
         """Close the client and cluster opened here (a client passed in is left open)."""
         client, self._client = self._client, None
@@ -434,33 +447,33 @@ class DaskExecutor:
                     await anyio.to_thread.run_sync(thing.close)
 
 
-async def _result(client: Any, future: Any) -> Any:
-    """``await future`` of an asynchronous client; ``SchedulerLost`` once the client closed.
+async def _result(look: Callable[[], None], future: Any) -> Any:
+    """``await future`` of an asynchronous client, calling ``look`` (``DaskExecutor._look``)
+    every ``_WATCH`` seconds meanwhile.
 
     Not by cancelling the wait now and then: once the task ended, the wait is the client's
     gather, shared by the futures that ended with it, and cancelling it cancels theirs."""
     gathering = asyncio.ensure_future(future)
     try:
         while not (await asyncio.wait({gathering}, timeout=_WATCH))[0]:
-            _check_client(client)
+            look()
     finally:
         if not gathering.done():
             gathering.cancel()  # this episode is cancelled
     if gathering.cancelled():  # the gather it shared was cancelled: another episode's
-        return await _result(client, future)
+        return await _result(look, future)
     return gathering.result()
 
 
-def _wait(client: Any, future: Any) -> Any:
-    """``future.result()`` of a synchronous client, in a thread; ``SchedulerLost`` once the client
-    closed."""
+def _wait(look: Callable[[], None], future: Any) -> Any:
+    """``future.result()`` of a synchronous client, in a thread, as ``_result``."""
     while True:
         try:
             return future.result(timeout=_WATCH)
         except TimeoutError:
             if future.done():  # it ended as the wait timed out, or raised TimeoutError itself
                 return future.result()
-            _check_client(client)
+            look()
 
 
 def as_dask(executor: Any) -> DaskExecutor | None:
