@@ -1328,3 +1328,15 @@ def test_a_file_named_as_an_episode_folder_is_never_replaced(env: Any, tmp_path:
         with pytest.raises(NotADirectoryError):
             quiet(make(env, agentClass=DoNothingAgent).run, 1, max_iter=3, path_save=path)
         assert (path / "0000").read_text() == "my notes"
+
+
+@pytest.mark.parametrize("kind", ["agentClass", "agentInstance"])
+def test_saved_episodes_record_the_agent_played(env: Any, tmp_path: Path, kind: str) -> None:
+    # They recorded compat's wrapper (asyncrunner.compat._session.AgentClass) for every agent.
+    if kind == "agentClass":
+        runner = compat_runner(env, agentClass=PeriodicAgent)
+    else:
+        runner = compat_runner(env, agentClass=None, agentInstance=PeriodicAgent(env.action_space))
+    quiet(runner.run, nb_episode=1, max_iter=3, path_save=tmp_path)
+    record = json.loads((tmp_path / "0000" / "asyncrunner.json").read_text())
+    assert record["agent"] == f"{__name__}.PeriodicAgent"

@@ -286,6 +286,8 @@ def agent_name(agent: Any) -> str:
         return agent_name(agent.agent)
     if isinstance(agent, functools.partial):
         return agent_name(agent.func)
+    if getattr(agent, "_named_after", None) is not None:  # compat's wrappers: their agent's
+        return agent_name(agent._named_after)
     if not isinstance(agent, type) and not hasattr(agent, "__qualname__"):
         agent = type(agent)  # an instance, or a callable object
     name = f"{getattr(agent, '__module__', '?')}.{getattr(agent, '__qualname__', '?')}"

@@ -85,7 +85,7 @@ class AgentClass:
     """
 
     def __init__(self, cls: type) -> None:
-        self.cls = cls
+        self.cls = self._named_after = cls  # (``agent_name``: what saved episodes record)
         self.state = {}
         for name, value in class_attributes(cls).items():
             try:
@@ -114,6 +114,7 @@ class AgentCopies:
 
     def __init__(self, agent: Any) -> None:
         self.agent = agent
+        self._named_after = type(agent)  # (``agent_name``: what saved episodes record)
 
     def __call__(self, action_space: Any) -> Any:
         self.agent = copy.copy(self.agent)
