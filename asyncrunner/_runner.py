@@ -48,7 +48,7 @@ from ._pools._executor import ExecutorPool
 from ._pools._fork import ForkPool, available, forked
 from ._pools._process import ProcessPool
 from .sinks._base import Sink
-from .sinks._writer import json_bytes
+from .sinks._writer import Writer, json_bytes
 
 __all__ = ["AsyncRunner", "RunOptions"]
 
@@ -631,6 +631,7 @@ class AsyncRunner(AsyncResource):
 
             # (on a multimix env, grid2op's layout: path_save/<mix>/<chronic>, the writer's)
             all_sinks.append(EpisodeDataWriter(path_save))
+        _check_writers(all_sinks)
         if pbar:
             from .sinks import ProgressBar
 
@@ -842,6 +843,21 @@ def _check_sinks(sinks: Sequence[Sink]) -> None:
                     f"{type(sink).__name__}.{method} must be a coroutine function (async def "
                     f"{method}(...)); for a plain function, use CallbackSink(fn)"
                 )
+
+
+def _check_writers(sinks: Sequence[Sink]) -> None:
+    """Refuse two writers of one format in one folder: each would save every episode there (the
+    second as ``<chronic>_1``)."""
+    seen: dict[tuple[str | None, str], Sink] = {}
+    for sink in sinks:
+        if not isinstance(sink, Writer):
+            continue
+        where = (sink.episode_format, sink.path)  # (an absolute path)
+        if seen.setdefault(where, sink) is not sink:  # (one given twice: refused as such)
+            raise ValueError(
+                f"{seen[where]!r} and {sink!r} would both save every episode in {where[1]}: "
+                "keep one of them (path_save is an EpisodeDataWriter of its folder)"
+            )
 
 
 def _check_parameters_as_built(env: Any) -> None:

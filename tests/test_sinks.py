@@ -934,6 +934,28 @@ async def test_a_sink_whose_send_is_not_async_is_refused_before_the_run(
         AsyncRunner(runner.env, agent=DoNothingAgent, sinks=[PlainSend()])
 
 
+async def test_two_writers_of_one_folder_are_refused_before_the_run(
+    runner: AsyncRunner, tmp_path: Path
+) -> None:
+    # Each saved every episode, the second as 0000_1: twice the files, for a slip.
+    with pytest.raises(ValueError, match=r"would both save every episode in .*keep one of them"):
+        await runner.run(1, max_iter=3, path_save=tmp_path, sinks=[EpisodeDataWriter(tmp_path)])
+    with pytest.raises(ValueError, match=r"would both save every episode"):
+        await runner.run(
+            1, max_iter=3, sinks=[CompactEpisodeWriter(tmp_path), CompactEpisodeWriter(tmp_path)]
+        )
+    assert os.listdir(tmp_path) == []
+    # One of each format may share it, as path_save and a writer of another folder may.
+    [result] = await runner.run(
+        1,
+        max_iter=3,
+        path_save=tmp_path,
+        sinks=[CompactEpisodeWriter(tmp_path), EpisodeDataWriter(tmp_path / "copy")],
+    )
+    assert result.nb_time_step == 3 and result.path == str(tmp_path / "0000")
+    assert await anyio.Path(tmp_path / "copy" / "0000").is_dir()
+
+
 _SCRIPT = """
 import asyncio
 import warnings
