@@ -4,6 +4,8 @@ and a kernel quit while a run plays."""
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 import time
 from pathlib import Path
 
@@ -62,14 +64,19 @@ assert glob.glob(os.path.join(os.environ["TMPDIR"], "asyncrunner-*")), "no chann
 """
 
 
-def test_quitting_the_kernel_during_a_run_leaves_no_work_in_progress(tmp_path: Path) -> None:
+def test_quitting_the_kernel_during_a_run_leaves_no_work_in_progress(
+    tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
     # quit() in a cell stops the kernel's event loop with the run's task still going, never
     # cancelled: none of the run's cleanup ran, and its hidden stage folder stayed in path_save
     # (grid2viz cannot open it) and its channel's folder in the temporary folder.
     from jupyter_client.manager import start_new_kernel
 
-    save, tmp = tmp_path / "save", tmp_path / "tmp"
-    tmp.mkdir()
+    save = tmp_path / "save"
+    # (short: under a long one, as pytest's folders of xdist's workers, the channel's socket
+    # path would not fit and the run would put it in /tmp)
+    tmp = Path(tempfile.mkdtemp(dir="/tmp"))
+    request.addfinalizer(lambda: shutil.rmtree(tmp, ignore_errors=True))
     path = os.pathsep.join([str(NOTEBOOK.parents[1]), os.environ.get("PYTHONPATH", "")])
     manager, client = start_new_kernel(
         kernel_name="python3", env={**os.environ, "PYTHONPATH": path, "TMPDIR": str(tmp)}

@@ -31,6 +31,7 @@ from asyncrunner import (
     EpisodeFinished,
     EpisodeStarted,
     Event,
+    RunFinished,
     SinkError,
     StepBatch,
 )
@@ -873,6 +874,64 @@ async def test_closing_a_runner_mid_run_keeps_each_episode_the_sinks_were_told_f
         if (p / "asyncrunner.json").is_file()
     }
     assert finished and saved >= set(finished)
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+
+
+@BOTH_LOOPS
+async def test_closing_a_runner_whose_stream_reader_lags_after_the_run_is_prompt(env: Any) -> None:
+    # Once the sinks were done, the run waited to hand the stream its RunFinished (the reader's
+    # buffer full), and aclose() waited the sinks' 30 s grace for it.
+    done = anyio.Event()
+
+    def on(event: Event) -> None:
+        if isinstance(event, RunFinished):
+            done.set()
+
+    runner = AsyncRunner(env, agent=DoNothingAgent, workers=1)
+    await runner.__aenter__()
+    with pytest.raises(AsyncRunnerError, match="closed while this run played"):
+        async with runner.stream(30, max_iter=3, sinks=[CallbackSink(on)]) as events:
+            while not done.is_set():
+                await anext(events)
+                await anyio.sleep(0.01)
+            with anyio.fail_after(10):
+                await runner.aclose()
+
+
+_FORKED_EXIT = """
+import asyncio, glob, os, sys, time
+import grid2op
+from grid2op.Agent import DoNothingAgent
+from lightsim2grid import LightSimBackend
+from asyncrunner import AsyncRunner
+
+class Slow(DoNothingAgent):
+    def act(self, observation, reward, done=False):
+        time.sleep(0.05)
+        return super().act(observation, reward, done)
+
+pid = os.fork()  # a preforking server's worker, forked after the import
+if pid == 0:
+    env = grid2op.make("l2rpn_case14_sandbox", test=True, backend=LightSimBackend())
+    runner = AsyncRunner(env, agent=Slow, workers=2)
+    loop = asyncio.new_event_loop()
+    loop.run_until_complete(runner.__aenter__())
+    loop.run_until_complete(runner.run(2, max_iter=3))
+    loop.create_task(runner.run(4, max_iter=60, path_save=SAVE))
+    loop.run_until_complete(asyncio.sleep(1))
+    print(len(glob.glob(os.path.join(SAVE, ".asyncrunner-tmp-*"))), flush=True)
+    sys.exit(0)  # its loop stopped with the run going, as quit() in a Jupyter cell
+os.waitpid(pid, 0)
+"""
+
+
+def test_a_forked_process_exiting_with_a_run_going_removes_its_work_in_progress(
+    tmp_path: Any,
+) -> None:
+    # (The exit's cleanup in the notebook test; a fork of the process that imported asyncrunner
+    # took its parent's pid for the owner's and removed nothing.)
+    done = run_code(_FORKED_EXIT.replace("SAVE", repr(str(tmp_path))))
+    assert done.returncode == 0 and done.stdout.split() == ["1"], done.stderr
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
 
 

@@ -638,11 +638,13 @@ _OPEN: dict[str, Channel] = {}
 _FOLDERS: set[str] = set()
 
 
+os.register_at_fork(after_in_child=_FOLDERS.clear)  # (a forked process's are its parent's)
+
+
 @atexit.register
-def _remove_folders(pid: int = os.getpid()) -> None:
-    if os.getpid() == pid:  # not in a forked process, which has its parent's set
-        for folder in list(_FOLDERS):
-            shutil.rmtree(folder, ignore_errors=True)
+def _remove_folders() -> None:
+    for folder in list(_FOLDERS):
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def listening(address: str) -> Channel | None:

@@ -204,6 +204,7 @@ class Run:
                             for send in sink_sends:
                                 await send.aclose()
                             await closes.all_done.wait()
+                            self._stop_playing = None  # (the sinks are done: ``stop`` cancels)
                             if out is not None and not sink_errors and ended is not None:
                                 # The stream's once the writers placed the files: with paths.
                                 placed = tuple(self._with_paths(list(ended.results)))

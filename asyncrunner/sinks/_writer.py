@@ -49,24 +49,43 @@ _LIVE: set[str] = set()
 _LIVE_LOCK = threading.Lock()
 
 
+def _forget_live() -> None:
+    """In a forked process: the work in progress is its parent's, not its own."""
+    global _LIVE_LOCK
+    _LIVE.clear()
+    _LIVE_LOCK = threading.Lock()  # (held, maybe, by a thread that is not in this process)
+
+
+os.register_at_fork(after_in_child=_forget_live)
+
+
 @atexit.register
-def _remove_live(pid: int = os.getpid()) -> None:
+def _remove_live() -> None:
     """At this process's exit, the work in progress of runs still open: an event loop stopped
-    with a run going (Jupyter's ``quit()``, a loop that never cancels its tasks) ran no cleanup.
-    Not in a forked process, which has its parent's set."""
-    if os.getpid() != pid:
-        return
+    with a run going (Jupyter's ``quit()``, a loop that never cancels its tasks) ran no cleanup."""
     with _LIVE_LOCK:
         paths = list(_LIVE)
         _LIVE.clear()
     for path in paths:
-        if os.path.isdir(path) and not os.path.islink(path):
-            shutil.rmtree(path, ignore_errors=True)
-        else:
-            try:
-                os.unlink(path)
-            except OSError:
-                pass
+        _delete(path)
+
+
+def _delete(path: str) -> None:
+    """Remove the folder or file ``path``, if it is there. A folder is renamed first: a worker
+    of a cancelled run still writing in a stage cannot add to it any more (its next file fails,
+    and it sends the bytes instead), nor a writer's thread still running place it."""
+    if os.path.isdir(path) and not os.path.islink(path):
+        aside = f"{path}-removed"  # still a temporary name of this process's
+        try:
+            os.rename(path, aside)
+        except OSError:
+            aside = path
+        shutil.rmtree(aside, ignore_errors=True)
+    else:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
 
 
 class Writer(Sink):
@@ -258,20 +277,7 @@ class Writer(Sink):
         for p in paths:
             if any(kept == p or kept.startswith(p + os.sep) for kept in self._spared):
                 continue
-            if os.path.isdir(p) and not os.path.islink(p):
-                # Renamed first: a worker of a cancelled run still writing in a stage cannot
-                # add to it any more (its next file fails, and it sends the bytes instead).
-                aside = f"{p}-removed"  # still a temporary name of this process's
-                try:
-                    os.rename(p, aside)
-                except OSError:
-                    aside = p
-                shutil.rmtree(aside, ignore_errors=True)
-            else:
-                try:
-                    os.unlink(p)
-                except FileNotFoundError:
-                    pass
+            _delete(p)
             with self._lock:
                 self._tmp.discard(p)
             with _LIVE_LOCK:
