@@ -890,10 +890,10 @@ async def test_closing_a_runner_whose_stream_reader_lags_after_the_run_is_prompt
     runner = AsyncRunner(env, agent=DoNothingAgent, workers=1)
     await runner.__aenter__()
     with pytest.raises(AsyncRunnerError, match="closed while this run played"):
-        async with runner.stream(30, max_iter=3, sinks=[CallbackSink(on)]) as events:
-            while not done.is_set():
+        async with runner.stream(12, max_iter=3, sinks=[CallbackSink(on)]) as events:
+            while not done.is_set():  # a reader slower than the run: it ends waiting for it
                 await anext(events)
-                await anyio.sleep(0.01)
+                await anyio.sleep(0.1)
             with anyio.fail_after(10):
                 await runner.aclose()
 
