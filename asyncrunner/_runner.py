@@ -24,6 +24,7 @@ import anyio.lowlevel
 from anyio.abc import AsyncResource
 from anyio.streams.memory import MemoryObjectSendStream
 
+from ._engine import _dispatch
 from ._engine._central import CentralAgent
 from ._engine._dispatch import Run, RunSettings
 from ._engine._envs import (
@@ -308,8 +309,9 @@ class AsyncRunner(AsyncResource):
         self._space_files: dict[str, bytes] | None = None
         self._pool: WorkerPool | None = None
         self._closed = False
-        # The runs playing, each in a scope that closing the runner cancels, and an event set
-        # when none is left (when the last one ends).
+        # The runs playing, each in a scope of its own, and an event set when none is left (when
+        # the last one ends). Closing the runner stops each run (its sinks finish the events they
+        # were given), or cancels its scope before its sinks start or once they are done.
         self._playing: dict[anyio.CancelScope, Run] = {}
         # Set by the run that leaves only those its closer plays a part in (``_closer_in``).
         self._none_playing: anyio.Event | None = None
@@ -444,7 +446,7 @@ class AsyncRunner(AsyncResource):
                     if not run.stop():  # (its sinks then place what finished)
                         scope.cancel()
                 # Not for the runs this call is part of (a sink closing, a shielded callback):
-                # they wait for it, and end cancelled after it.
+                # they wait for it, and end after it (stopped, or cancelled).
                 self._closer_in = _INSIDE.get()
                 if not self._playing.keys() <= self._closer_in:
                     self._none_playing = anyio.Event()
@@ -554,10 +556,7 @@ class AsyncRunner(AsyncResource):
                 self._playing.pop(scope, None)
                 if self._none_playing is not None and self._playing.keys() <= self._closer_in:
                     self._none_playing.set()
-        raise AsyncRunnerError(
-            "the AsyncRunner was closed while this run played: the episodes it finished are "
-            "saved (path_save; run again with resume=True in a new runner to play the rest)"
-        )
+        raise AsyncRunnerError(_closed_while_playing(run))
 
     async def _spaces(self) -> tuple[Mapping[str, Any], Mapping[str, bytes]]:
         """A saving run's spaces: dicts of its own (``RunStarted.spaces``: a sink changing
@@ -810,6 +809,22 @@ def _loop_closed(loop: tuple[str, object]) -> bool:
     """Whether an asyncio loop was closed (its tasks never run again; a trio run ends only
     once its tasks did)."""
     return isinstance(loop[1], asyncio.AbstractEventLoop) and loop[1].is_closed()
+
+
+def _closed_while_playing(run: Run) -> str:
+    """What ``run()`` raises when the runner closed while the run played (``run.stop``)."""
+    if not run.cut:
+        return (
+            "the AsyncRunner was closed while this run played: the episodes it finished are "
+            "saved (path_save; run again with resume=True in a new runner to play the rest)"
+        )
+    names = ", ".join(repr(sink) for sink in run.cut)
+    return (
+        f"the AsyncRunner was closed while this run played, and {names} was cut short "
+        f"{_dispatch.SINK_DRAIN_GRACE:g} s after (still handling its events, or closing): what "
+        "it had not handled is lost to it; the episodes the writers placed are saved "
+        "(path_save; run again with resume=True in a new runner to play the rest)"
+    )
 
 
 def _current_loop() -> tuple[str, object]:

@@ -128,6 +128,7 @@ class Run:
         self._stages: dict[str, str] = {}
         self._stop_playing: Callable[[], None] | None = None  # once the sinks are started
         self.stopped = False  # by ``stop``
+        self.cut: list[Sink] = []  # the sinks the grace cut short (``_Closes.cut``)
 
     def stop(self) -> bool:
         """Stop playing (the runner closing): the sinks finish the events they were given (a
@@ -154,6 +155,7 @@ class Run:
         sink_errors: list[SinkError] = []
         playing = anyio.CancelScope()
         closes = _Closes(len(self.sinks), sink_errors)
+        self.cut = closes.cut
         ended: RunFinished | None = None
 
         def stop_playing() -> None:  # a sink failed, or ``stop``
@@ -614,7 +616,8 @@ class _Closes:
     run stopped gets its grace to close. ``all_done`` is set once every sink's close is over;
     ``stopped_by``: the exception (the caller's cancellation) that left ``with`` while no sink
     had failed (``errors``: after one, the run's own grace ends it). ``stopping``: the run is
-    stopping, or the task running it (asyncio's) was cancelled since the run began."""
+    stopping, or the task running it (asyncio's) was cancelled since the run began. ``cut``:
+    the sinks whose events or close the grace cut short."""
 
     def __init__(self, count: int, errors: list[SinkError]) -> None:
         self.stopped_by: BaseException | None = None
@@ -625,6 +628,7 @@ class _Closes:
         self._calm = 0 if self._host is None else self._host.cancelling()
         self._scopes: set[anyio.CancelScope] = set()
         self._left = count
+        self.cut: list[Sink] = []
         self.all_done = anyio.Event()
         if not count:
             self.all_done.set()
@@ -638,6 +642,10 @@ class _Closes:
             self._hurried = True
             for scope in self._scopes:
                 scope.deadline = anyio.current_time() + SINK_DRAIN_GRACE
+
+    def cut_short(self, sink: Sink) -> None:
+        if all(other is not sink for other in self.cut):
+            self.cut.append(sink)
 
     def __enter__(self) -> None:
         pass
@@ -728,6 +736,8 @@ async def _consume(
     except BaseException as exc:
         if not errors:  # (after a sink's failure, it is the run's own stop)
             first = exc
+        if closes.stopping and isinstance(exc, anyio.get_cancelled_exc_class()):
+            closes.cut_short(sink)  # (the grace, or the caller's cancellation)
         raise
     finally:
         closing = await _close(sink, closes)
@@ -751,5 +761,6 @@ async def _close(sink: Sink, closes: _Closes) -> BaseException | None:
                 raise  # the grace is over (``shield`` takes it), or a KeyboardInterrupt
             return exc
     if shield.cancelled_caught:
+        closes.cut_short(sink)
         return TimeoutError(f"still closing {SINK_DRAIN_GRACE:g} s after the run stopped")
     return None
