@@ -851,6 +851,13 @@ async def test_closing_a_runner_mid_run_keeps_each_episode_the_sinks_were_told_f
     runner = AsyncRunner(env, agent=DoNothingAgent, workers=2)
     finished: list[int] = []
     told = anyio.Event()
+    kept: set[int] = set()
+
+    class Posts(Sink):  # a sink sending each end to a server (trio's writer is in its thread)
+        async def send(self, event: Event) -> None:
+            if isinstance(event, EpisodeFinished):
+                await anyio.sleep(0.2)
+                kept.add(event.index)
 
     async def on(event: Event) -> None:
         if isinstance(event, EpisodeFinished):
@@ -861,7 +868,7 @@ async def test_closing_a_runner_mid_run_keeps_each_episode_the_sinks_were_told_f
 
     async def play() -> None:
         with pytest.raises(AsyncRunnerError, match="closed while this run played"):
-            await runner.run(4, max_iter=30, path_save=tmp_path, sinks=[CallbackSink(on)])
+            await runner.run(4, max_iter=30, path_save=tmp_path, sinks=[CallbackSink(on), Posts()])
 
     await runner.__aenter__()
     async with anyio.create_task_group() as group:
@@ -873,7 +880,7 @@ async def test_closing_a_runner_mid_run_keeps_each_episode_the_sinks_were_told_f
         for p in tmp_path.iterdir()
         if (p / "asyncrunner.json").is_file()
     }
-    assert finished and saved >= set(finished)
+    assert finished and saved >= set(finished) and kept >= set(finished)
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
 
 
