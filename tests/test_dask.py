@@ -331,6 +331,37 @@ async def test_a_local_cluster_whose_worker_is_lost_for_good_gets_it_back(
     assert [(r.error, r.nb_time_step) for r in results] == [(None, 5), (None, 5)]
 
 
+@BOTH_LOOPS  # an asynchronous client (asyncio), a synchronous one in threads (trio)
+async def test_a_cluster_of_yours_left_without_workers_mid_run_is_told(env: Any) -> None:
+    # Only the runner's opening said a scheduler had no worker: one whose workers all left
+    # mid-run kept the episodes waiting without a word.
+    playing = anyio.Event()
+
+    def note(event: Any) -> None:
+        if isinstance(event, StepBatch):
+            playing.set()
+
+    with distributed.LocalCluster(
+        n_workers=1, threads_per_worker=1, processes=True, host="127.0.0.1", dashboard_address=":0"
+    ) as local:
+        address = local.scheduler_address
+        told = f"at {address} has had no worker for 5 s: .*dask worker {address}"
+        async with AsyncRunner(env, agent=Slow, workers=1, executor=address) as runner:
+            with pytest.warns(UserWarning, match=told) as warned, anyio.fail_after(120):
+                async with anyio.create_task_group() as group:
+
+                    async def lose_then_get_back_workers() -> None:
+                        await playing.wait()
+                        local.scale(0)
+                        while not warned.list:  # noqa: ASYNC110  (a warning: no event)
+                            await anyio.sleep(0.1)
+                        local.scale(1)
+
+                    group.start_soon(lose_then_get_back_workers)
+                    results = await runner.run(2, max_iter=100, sinks=[CallbackSink(note)])
+    assert [(r.error, r.nb_time_step) for r in results] == [(None, 100), (None, 100)]
+
+
 async def test_episodes_cancelled_by_a_cluster_restart_are_retried(env: Any) -> None:
     """``client.restart()`` cancels every task ("Please re-run your work"): a worker loss."""
     events: list[Any] = []

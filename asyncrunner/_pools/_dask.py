@@ -28,6 +28,7 @@ import ipaddress
 import math
 import socket
 import struct
+import time
 import uuid
 import warnings
 from collections.abc import Callable, Sequence
@@ -221,6 +222,8 @@ class DaskExecutor:
         ):
             raise ValueError("the Dask client is closed: pass an open one (or its address)")
         self._lock: anyio.Lock | None = None
+        self._looked = -math.inf  # when ``_look`` last asked the scheduler how many workers
+        self._workerless: float | None = None  # since when it has had none (inf: told)
         self._waits: anyio.CapacityLimiter | None = None
         if listen is None and isinstance(client, str):
             try:
@@ -422,14 +425,38 @@ class DaskExecutor:
 
     def _look(self, client: Any) -> None:
         """What a wait for a task does now and then: ``SchedulerLost`` once the client closed;
-        and it keeps a cluster started here whole. Dask's ``LocalCluster`` closes a worker's
-        nanny for good when the worker it restarts after a crash is not back within
-        ``distributed.deploy.lost-worker-timeout`` (15 s): an agent crashing its worker again
-        and again left the cluster with no worker, and the run waiting for ever."""
+        it keeps a cluster started here whole, and says when a cluster of yours has had no
+        worker for ``_WORKERS_AWAITED`` seconds (Dask waits for one to join, silently). Dask's
+        ``LocalCluster`` closes a worker's nanny for good when the worker it restarts after a
+        crash is not back within ``distributed.deploy.lost-worker-timeout`` (15 s): an agent
+        crashing its worker again and again left the cluster with no worker, and the run
+        waiting for ever."""
         _check_client(client)
         cluster, wanted = self._cluster, self._local_workers
-        if cluster is not None and wanted is not None and len(cluster.workers) < wanted:
-            cluster.scale(wanted)  # (from any thread: it only asks the cluster's loop)
+        if cluster is not None and wanted is not None:
+            if len(cluster.workers) < wanted:
+                cluster.scale(wanted)  # (from any thread: it only asks the cluster's loop)
+            return
+        now = time.monotonic()
+        if now - self._looked < _WATCH:  # (one look for all the episodes waiting)
+            return
+        self._looked = now
+        # An asynchronous client's is its cached view (two seconds old at most): no call.
+        info = client.scheduler_info() if client.asynchronous else client.scheduler_info(0)
+        if info.get("n_workers", 1):
+            self._workerless = None
+        elif self._workerless is None:
+            self._workerless = now
+        elif now - self._workerless >= _WORKERS_AWAITED:
+            self._workerless = math.inf  # told, until workers come back
+            address = client.scheduler.address
+            warnings.warn(
+                f"the Dask scheduler at {address} has had no worker for "
+                f"{_WORKERS_AWAITED:g} s: the run's episodes wait until one joins (start them "
+                f"with `dask worker {address} --nthreads 1`, or scale your cluster)",
+                UserWarning,
+                stacklevel=1,
+            )
 
     async def aclose(self) -> None:
         """Close the client and cluster opened here (a client passed in is left open)."""
