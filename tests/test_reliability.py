@@ -35,7 +35,7 @@ from asyncrunner import (
     SinkError,
     StepBatch,
 )
-from asyncrunner._engine import _envs
+from asyncrunner._engine import _dispatch, _envs
 from asyncrunner._engine._envs import release
 from asyncrunner.sinks import CallbackSink, Sink
 
@@ -882,6 +882,54 @@ async def test_closing_a_runner_mid_run_keeps_each_episode_the_sinks_were_told_f
     }
     assert finished and saved >= set(finished) and kept >= set(finished)
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+
+
+class _Hangs(Sink):
+    """Its ``send`` of an episode's end, or its ``aclose``, never returns (a server down)."""
+
+    def __init__(self, where: str) -> None:
+        self.where = where
+
+    def __repr__(self) -> str:
+        return f"<Hangs in {self.where}>"
+
+    async def send(self, event: Event) -> None:
+        if self.where == "send" and isinstance(event, EpisodeFinished):
+            await anyio.sleep_forever()
+
+    async def aclose(self) -> None:
+        if self.where == "close":
+            await anyio.sleep_forever()
+
+
+@BOTH_LOOPS
+@pytest.mark.parametrize("where", ["send", "close"])
+async def test_closing_a_runner_names_the_sink_its_grace_cut_short(
+    env: Any, monkeypatch: pytest.MonkeyPatch, where: str
+) -> None:
+    # A sink still at work when a closing runner's grace ended was cut short unsaid: the error
+    # told the caller that every episode the run finished was saved.
+    monkeypatch.setattr(_dispatch, "SINK_DRAIN_GRACE", 0.5)
+    ended = anyio.Event()
+
+    def on(event: Event) -> None:
+        if isinstance(event, EpisodeFinished):
+            ended.set()
+
+    runner = AsyncRunner(env, agent=DoNothingAgent, workers=2)
+
+    async def play() -> None:
+        with pytest.raises(AsyncRunnerError, match="closed while this run played") as info:
+            await runner.run(4, max_iter=30, sinks=[CallbackSink(on), _Hangs(where)])
+        told = str(info.value)
+        assert f"<Hangs in {where}> was cut short 0.5 s after" in told, told
+
+    await runner.__aenter__()
+    with anyio.fail_after(120):
+        async with anyio.create_task_group() as group:
+            group.start_soon(play)
+            await ended.wait()
+            await runner.aclose()
 
 
 @BOTH_LOOPS

@@ -23,7 +23,6 @@ from grid2op.Agent import BaseAgent, DoNothingAgent
 
 from asyncrunner import (
     AsyncRunner,
-    AsyncRunnerError,
     EpisodeError,
     EpisodeFailed,
     EpisodeFinished,
@@ -46,7 +45,7 @@ from asyncrunner.sinks import (
 )
 
 from .conftest import make_env
-from .helpers import BOTH_LOOPS, CutsLines, run_code, starts
+from .helpers import CutsLines, run_code, starts
 
 pytestmark = pytest.mark.anyio
 
@@ -623,37 +622,6 @@ async def test_a_sink_that_never_closes_holds_a_stopped_run_only_its_grace(
     # was cut at once (a writer left the episodes it had in its temporary folder).
     assert "ClosesSlowly" not in "".join(getattr(failed.value, "__notes__", []))
     assert ClosesSlowly.closed
-
-
-@BOTH_LOOPS
-@pytest.mark.parametrize("stuck", ["send", "close"])
-async def test_closing_a_runner_names_the_sink_its_grace_cut_short(
-    env: Any, monkeypatch: pytest.MonkeyPatch, stuck: str
-) -> None:
-    # A sink still at work when a closing runner's grace ended was cut short unsaid: the error
-    # told the caller that every episode the run finished was saved.
-    monkeypatch.setattr(_dispatch, "SINK_DRAIN_GRACE", 0.5)
-    sink = Stuck() if stuck == "send" else NeverCloses()
-    ended = anyio.Event()
-
-    def on(event: Event) -> None:
-        if isinstance(event, EpisodeFinished):
-            ended.set()
-
-    runner = AsyncRunner(env, agent=DoNothingAgent, workers=2)
-
-    async def play() -> None:
-        with pytest.raises(AsyncRunnerError, match="closed while this run played") as info:
-            await runner.run(4, max_iter=30, sinks=[CallbackSink(on), sink])
-        told = str(info.value)
-        assert f"{sink!r} was cut short 0.5 s after" in told, told
-
-    await runner.__aenter__()
-    with anyio.fail_after(TIMEOUT):
-        async with anyio.create_task_group() as group:
-            group.start_soon(play)
-            await ended.wait()
-            await runner.aclose()
 
 
 class WantsTheEnd(Sink):
