@@ -414,6 +414,61 @@ async def test_a_timeout_ends_every_episode_of_the_group(env: Any) -> None:
     assert [r.error.error_type if r.error else None for r in results] == ["EpisodeTimeout"] * 2
 
 
+class HeldFirstBatch:
+    """A batch agent whose first batch waits for ``release`` (a policy server waking up)."""
+
+    def __init__(self, action_space: Any) -> None:
+        self.action_space = action_space
+        self.release = anyio.Event()
+        self.asked: list[int] = []  # the episode of each observation it was asked to act on
+
+    async def act_batch(self, observations: Any, rewards: Any, dones: Any) -> list[Any]:
+        self.asked += [int(o[0]) for o in observations]
+        if len(self.asked) == 1:
+            await self.release.wait()
+        return [self.action_space({}) for _ in observations]
+
+
+async def test_episodes_that_ended_waiting_for_a_batch_are_not_asked_for(env: Any) -> None:
+    # The calls of episodes that ended (timed out, their worker died) while queued behind a
+    # slow batch were still played: a remote policy paid for answers nobody took, and the live
+    # episodes' batches were the smaller for them. (The run's side of the agent, as a run's
+    # channel drives it: a call per episode, its end told by ``forget``.)
+    from asyncrunner._engine._central import _Server
+    from asyncrunner._engine._channel import AgentCall
+
+    agent = HeldFirstBatch(env.action_space)
+    server = _Server(CentralAgent(agent, max_batch=1, vectors=True), lambda index: env)
+    vector = env.reset().to_vect()
+    replies: dict[int, bytes] = {}
+    answered = anyio.Event()  # both live episodes
+
+    async def call(index: int, *, task_status: Any = anyio.TASK_STATUS_IGNORED) -> None:
+        with anyio.CancelScope() as scope:
+            task_status.started(scope)
+            observation = np.concatenate([[index], vector[1:]])
+            call = AgentCall("run", index, 1, observation, 0.0, False, None, True)
+            replies[index] = await server.act(call)
+            if len(replies) == 2:
+                answered.set()
+
+    async with server.send, server.receive, anyio.create_task_group() as group:
+        group.start_soon(server.batches)
+        await group.start(call, 0)
+        scopes = [await group.start(call, index) for index in (1, 2)]
+        await anyio.wait_all_tasks_blocked()
+        for index, scope in zip((1, 2), scopes, strict=True):  # they time out
+            scope.cancel()
+            server.forget((index, 1))
+        await group.start(call, 3)
+        await anyio.wait_all_tasks_blocked()
+        agent.release.set()
+        with anyio.fail_after(10):
+            await answered.wait()
+        group.cancel_scope.cancel()
+    assert agent.asked == [0, 3] and sorted(replies) == [0, 3]
+
+
 async def test_a_worker_dying_mid_group_replays_the_group(env: Any) -> None:
     import os
     import signal

@@ -23,7 +23,7 @@ import threading
 import traceback
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
-from typing import Any, TypeVar
+from typing import Any, TypeGuard, TypeVar
 
 import anyio
 import numpy as np
@@ -279,7 +279,7 @@ class _Server:
         """Form and play batches until cancelled."""
         central = self.central
         async for first in self.receive:
-            if first is None:
+            if not self._wanted(first):
                 continue
             batch = [first]
             # Wait for the episodes in flight (not longer than max_wait), then take what came;
@@ -287,16 +287,31 @@ class _Server:
             with anyio.move_on_after(central.max_wait):
                 while len(batch) < min(central.max_batch, len(self.active)):
                     pending = await self.receive.receive()
-                    if pending is not None:
+                    if self._wanted(pending):
                         batch.append(pending)
             while len(batch) < central.max_batch:
                 try:
                     pending = self.receive.receive_nowait()
                 except anyio.WouldBlock:
                     break
-                if pending is not None:
+                if self._wanted(pending):
                     batch.append(pending)
-            await self._play(batch)
+            batch = [p for p in batch if self._wanted(p)]  # (one may have ended meanwhile)
+            if batch:
+                await self._play(batch)
+
+    def _wanted(self, pending: _Pending | None) -> TypeGuard[_Pending]:
+        """Whether ``pending`` is a call to play: not an episode's end (None), nor the call of
+        an attempt that ended while it waited in line (timed out, its worker died): the agent
+        is not asked for an action nobody takes, and the live episodes' batches are not the
+        smaller for it."""
+        if pending is None:
+            return False
+        if (pending.call.index, pending.call.attempt) in self.ended:
+            pending.reply = _error(RuntimeError("this episode attempt has ended"))
+            pending.done.set()
+            return False
+        return True
 
     async def _play(self, batch: list[_Pending]) -> None:
         central, agent = self.central, self.central.agent
