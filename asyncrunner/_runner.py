@@ -41,7 +41,7 @@ from ._engine._pool import WorkerPool, on_trio
 from ._engine._recipe import agent_name, agent_recipe, class_attributes, env_key, recipes
 from ._exceptions import AsyncRunnerError, EpisodeError, unwrapped
 from ._model import EpisodeResult, Event, ParsedJson, ReadOnly
-from ._plan._arguments import at_least, chronic_names
+from ._plan._arguments import at_least, check_path_save, chronic_names
 from ._plan._mixes import mixes_of
 from ._plan._planner import plan_run
 from ._pools._dask import DaskPool, as_dask
@@ -625,6 +625,9 @@ class AsyncRunner(AsyncResource):
         )
         requests, skipped, path_save = plan.requests, plan.skipped, plan.path_save
         all_sinks = [*self.sinks, *sinks]
+        writers = [s for s in all_sinks if isinstance(s, Writer)]
+        if writers:  # as path_save is: a clear error before any work, not the first episode's
+            await anyio.to_thread.run_sync(_check_writer_paths, writers)
         if path_save is not None:
             from .sinks import EpisodeDataWriter
 
@@ -873,6 +876,11 @@ def _check_writers(sinks: Sequence[Sink]) -> None:
                 f"{seen[where]!r} and {sink!r} would both save every episode in {where[1]}: "
                 "keep one of them (path_save is an EpisodeDataWriter of its folder)"
             )
+
+
+def _check_writer_paths(writers: Sequence[Writer]) -> None:
+    for writer in writers:
+        check_path_save(writer.path, f"{type(writer).__name__}.path")
 
 
 def _check_parameters_as_built(env: Any) -> None:

@@ -1047,6 +1047,10 @@ async def test_unusable_path_save_is_rejected_before_work(env: Any, tmp_path: An
         await runner.run(1, path_save=a_file)
     with pytest.raises(ValueError, match="cannot be created"):
         await runner.run(1, path_save=a_file / "sub")
+    # A link to a scratch disk not mounted: it said "cannot be created (File exists)".
+    (tmp_path / "scratch").symlink_to(tmp_path / "not-mounted" / "runs")
+    with pytest.raises(ValueError, match=r"is a link to .*not-mounted/runs', which is not there"):
+        await runner.run(1, path_save=tmp_path / "scratch")
     assert runner._pids == set()
     await runner.aclose()
 

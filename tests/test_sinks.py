@@ -7,6 +7,7 @@ import logging
 import os
 import pickle
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -882,6 +883,63 @@ def test_a_writer_refuses_an_empty_path_or_a_file(writer: type[Any], tmp_path: P
     (tmp_path / "file").write_text("")
     with pytest.raises(ValueError, match="exists and is not a folder"):
         writer(tmp_path / "file")
+
+
+@pytest.mark.parametrize("writer", [EpisodeDataWriter, CompactEpisodeWriter])
+async def test_a_writer_whose_folder_cannot_be_made_is_refused_before_the_run(
+    runner: AsyncRunner, writer: type[Any], tmp_path: Path
+) -> None:
+    # As path_save is: it failed at the run's start with a SinkError naming a hidden temporary
+    # file, and no word of what to do.
+    await anyio.Path(tmp_path / "file").write_text("")
+    told = f"`{writer.__name__}.path` .* cannot be created: .* is a file, not a folder"
+    with pytest.raises(ValueError, match=told):
+        await runner.run(1, max_iter=3, sinks=[writer(tmp_path / "file" / "runs")])
+
+
+@pytest.mark.parametrize("writer", [EpisodeDataWriter, CompactEpisodeWriter])
+async def test_a_folder_removed_mid_run_gets_its_space_files_again(
+    env: Any, writer: type[Any], tmp_path: Path
+) -> None:
+    # A cleanup job removing the folder mid-run: the later episodes were saved without the
+    # dict_*_space.json files, and no reader could open them (grid2op's Runner writes them with
+    # each episode).
+    from grid2op.Episode import CompactEpisodeData, EpisodeData
+
+    folder = tmp_path / "runs"
+
+    class RemovesTheFolder(DoNothingAgent):  # type: ignore[misc]  # grid2op is untyped
+        resets = 0  # in its worker: this runner's only one
+
+        def reset(self, obs: Any) -> None:
+            type(self).resets += 1
+            if type(self).resets == 3:
+                shutil.rmtree(folder)
+
+    async with AsyncRunner(env, agent=RemovesTheFolder, workers=1) as removing:
+        with anyio.fail_after(TIMEOUT):
+            results = await removing.run(4, max_iter=3, sinks=[sink := writer(folder)])
+    assert all(r.error is None for r in results)
+    reader: Any = EpisodeData if writer is EpisodeDataWriter else CompactEpisodeData
+    placed = [p for p in sink.paths.values() if await anyio.Path(p).exists()]
+    assert sink.paths[3] in placed  # (placed after the removal: the first ones may be gone)
+    for path in placed:
+        name = os.path.basename(path).removesuffix(".npz")
+        await anyio.to_thread.run_sync(reader.from_disk, str(folder), name)
+
+
+def test_removing_work_in_progress_that_was_never_made_raises_nothing(tmp_path: Path) -> None:
+    # A temporary name given but never made, where the disk says so other than by "no such
+    # file" (read-only: EROFS; under a file: ENOTDIR): the writer's close failed on it, and the
+    # interpreter's exit printed a traceback for it.
+    from asyncrunner.sinks._writer import _delete
+
+    (tmp_path / "file").write_text("")
+    _delete(str(tmp_path / "file" / ".asyncrunner-tmp-x.part"))
+    _delete(str(tmp_path / ".asyncrunner-tmp-y.part"))
+    (tmp_path / "made").write_text("")
+    _delete(str(tmp_path / "made"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]
 
 
 def _rename_lines(event: Event) -> None:

@@ -407,6 +407,11 @@ def check_path_save(
     folder = os.path.abspath(os.fspath(path))
     if os.path.exists(folder) and not os.path.isdir(folder):
         raise ValueError(f"`{name}` {folder!r} is a file: give a folder to {purpose}")
+    if os.path.islink(folder) and not os.path.exists(folder):
+        raise ValueError(
+            f"`{name}` {folder!r} is a link to {os.readlink(folder)!r}, which is not there (a "
+            f"disk not mounted?): make that folder, or give another folder to {purpose}"
+        )
     ancestor = folder
     while not os.path.exists(ancestor):
         ancestor = os.path.dirname(ancestor)

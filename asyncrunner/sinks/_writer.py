@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import abc
 import atexit
+import contextlib
 import functools
 import hashlib
 import json
@@ -67,7 +68,8 @@ def _remove_live() -> None:
         paths = list(_LIVE)
         _LIVE.clear()
     for path in paths:
-        _delete(path)
+        with contextlib.suppress(OSError):  # (a disk gone read-only: the next run removes it)
+            _delete(path)
 
 
 def _delete(path: str) -> None:
@@ -84,8 +86,10 @@ def _delete(path: str) -> None:
     else:
         try:
             os.unlink(path)
-        except FileNotFoundError:
-            pass
+        except OSError:
+            # Not there (never made: a read-only disk says so, not "no such file"), or removed.
+            if os.path.lexists(path):
+                raise
 
 
 class Writer(Sink):
@@ -115,6 +119,7 @@ class Writer(Sink):
             raise ValueError(f"cannot save episodes in {path!r}: it exists and is not a folder")
         self.path = path
         self.agent: str | None = None  # the run's agent, recorded with each episode
+        self._space_files: Mapping[str, bytes] = {}  # the run's, written beside its episodes
         self.paths: dict[int, str] = {}
         self._open: dict[tuple[str, int], EpisodeStarted] = {}  # episode attempts playing
         self._reserved: set[tuple[str | None, str]] = set()  # (mix, name) given
@@ -151,6 +156,7 @@ class Writer(Sink):
         if isinstance(event, RunStarted):
             self.paths = {}
             self.agent = event.agent
+            self._space_files = event.space_files
             await anyio.to_thread.run_sync(self._start, event.space_files, event.mixes)
         elif isinstance(event, EpisodeStarted):
             self._open[(event.run_id, event.index)] = event
@@ -222,6 +228,10 @@ class Writer(Sink):
                 self._write_json_once(folder, space_files, SPACE_FILES)
 
     def _write_episode(self, started: EpisodeStarted, files: Mapping[str, bytes] | Staged) -> str:
+        if self._space_files:
+            # Again, as grid2op's Runner writes them with each episode: the folder may have been
+            # removed mid-run (a cleanup job), and its episodes read back only with them.
+            self._write_json_once(self._folder(started.mix), self._space_files, SPACE_FILES)
         if isinstance(files, Staged):
             tmp = folder = files.folder
         else:
