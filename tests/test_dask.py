@@ -345,7 +345,7 @@ async def test_a_cluster_of_yours_left_without_workers_mid_run_is_told(env: Any)
         n_workers=1, threads_per_worker=1, processes=True, host="127.0.0.1", dashboard_address=":0"
     ) as local:
         address = local.scheduler_address
-        told = f"at {address} has had no worker for 5 s: .*dask worker {address}"
+        told = f"at {address} has had no worker for 10 s: .*dask worker {address}"
         async with AsyncRunner(env, agent=Slow, workers=1, executor=address) as runner:
             with pytest.warns(UserWarning, match=told) as warned, anyio.fail_after(120):
                 async with anyio.create_task_group() as group:

@@ -174,6 +174,10 @@ def _receive(conn: socket.socket, size: int) -> bytes:
 
 # Seconds a scheduler without workers gets for one to join before the runner says so.
 _WORKERS_AWAITED = 5.0
+# Seconds a cluster of yours may have no worker mid-run before the runner says so: a restart
+# (``client.restart()``, workers respawned) takes a few, and an asynchronous client's view of
+# it is up to two seconds old.
+_WORKERLESS_TOLD = 10.0
 
 
 class DaskExecutor:
@@ -426,7 +430,7 @@ class DaskExecutor:
     def _look(self, client: Any) -> None:
         """What a wait for a task does now and then: ``SchedulerLost`` once the client closed;
         it keeps a cluster started here whole, and says when a cluster of yours has had no
-        worker for ``_WORKERS_AWAITED`` seconds (Dask waits for one to join, silently). Dask's
+        worker for ``_WORKERLESS_TOLD`` seconds (Dask waits for one to join, silently). Dask's
         ``LocalCluster`` closes a worker's nanny for good when the worker it restarts after a
         crash is not back within ``distributed.deploy.lost-worker-timeout`` (15 s): an agent
         crashing its worker again and again left the cluster with no worker, and the run
@@ -447,12 +451,12 @@ class DaskExecutor:
             self._workerless = None
         elif self._workerless is None:
             self._workerless = now
-        elif now - self._workerless >= _WORKERS_AWAITED:
+        elif now - self._workerless >= _WORKERLESS_TOLD:
             self._workerless = math.inf  # told, until workers come back
             address = client.scheduler.address
             warnings.warn(
                 f"the Dask scheduler at {address} has had no worker for "
-                f"{_WORKERS_AWAITED:g} s: the run's episodes wait until one joins (start them "
+                f"{_WORKERLESS_TOLD:g} s: the run's episodes wait until one joins (start them "
                 f"with `dask worker {address} --nthreads 1`, or scale your cluster)",
                 UserWarning,
                 stacklevel=1,
