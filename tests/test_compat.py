@@ -279,6 +279,35 @@ class WaitsForItsPartner(BaseAgent):  # type: ignore[misc]  # grid2op is untyped
         return self.action_space({})
 
 
+@pytest.mark.parametrize("nb_process", [1, 2])
+def test_a_chronic_without_a_name_is_saved_in_path_save_itself(
+    tmp_path: Path, nb_process: int
+) -> None:
+    # ChangeNothing's chronic is named "": grid2op writes its files in path_save itself; compat
+    # tried to move path_save into a folder of its own and failed (OSError, the episode lost).
+    from grid2op.Chronics import ChangeNothing
+
+    env = make_env(chronics_class=ChangeNothing)
+    kwargs: dict[str, Any] = dict(nb_episode=1, max_iter=5, env_seeds=[1], agent_seeds=[2])
+    theirs_path, ours_path = tmp_path / "grid2op", tmp_path / "compat"
+    expected = quiet(
+        grid_runner(env, agentClass=DoNothingAgent).run, path_save=theirs_path, **kwargs
+    )
+    runner = compat_runner(env, agentClass=DoNothingAgent)
+    results = quiet(runner.run, nb_process=nb_process, path_save=ours_path, **kwargs)
+    runner.close()
+    assert head(results) == head(expected)
+    ours = {p.name for p in ours_path.iterdir()} - {"asyncrunner.json"}
+    assert ours == {p.name for p in theirs_path.iterdir()}
+    for npz in theirs_path.glob("*.npz"):
+        if npz.name != "agent_exec_times.npz":
+            with np.load(npz) as other, np.load(ours_path / npz.name) as mine:
+                assert all(same_array(mine[k], other[k]) for k in other.files), npz.name
+    mine, other = (EpisodeData.from_disk(str(p), "") for p in (ours_path, theirs_path))
+    assert len(mine) == len(other) and mine.meta == other.meta
+    env.close()
+
+
 def test_a_with_block_run_asking_more_processes_plays_on_that_many(
     env: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -21,6 +21,8 @@ class ReplacingWriter(EpisodeDataWriter):
     grid2op, which writes its files over the old ones, keeps it."""
 
     def _move_into_place(self, folder: str, name: str, mix: str | None = None) -> str:
+        if not name:
+            return self._write_over(folder, self._folder(mix))
         target = os.path.join(self._folder(mix), name)
         if os.path.lexists(target) and not os.path.isdir(target):
             # A file of that name (yours): grid2op fails to write into it; never replace it.
@@ -54,6 +56,15 @@ class ReplacingWriter(EpisodeDataWriter):
                     sync([target])  # the entries moved in
         finally:
             self._remove([aside])
+        return target
+
+    def _write_over(self, folder: str, target: str) -> str:
+        """A chronic without a name (``ChangeNothing``'s): grid2op writes its episode's files in
+        ``path_save`` itself, over those there; each file is replaced whole."""
+        with self._lock:
+            for entry in os.listdir(folder):
+                os.replace(os.path.join(folder, entry), os.path.join(target, entry))
+        sync([target])
         return target
 
     def _put_back(self, target: str, aside: str | None, folder: str, kept: list[str]) -> list[str]:
