@@ -822,11 +822,13 @@ def _closed_while_playing(run: Run) -> str:
             "saved (path_save; run again with resume=True in a new runner to play the rest)"
         )
     names = ", ".join(repr(sink) for sink in run.cut)
+    one = len(run.cut) == 1
     return (
-        f"the AsyncRunner was closed while this run played, and {names} was cut short "
-        f"{_dispatch.SINK_DRAIN_GRACE:g} s after (still handling its events, or closing): what "
-        "it had not handled is lost to it; the episodes the writers placed are saved "
-        "(path_save; run again with resume=True in a new runner to play the rest)"
+        f"the AsyncRunner was closed while this run played, and sink{'' if one else 's'} "
+        f"{names} {'was' if one else 'were'} cut short {_dispatch.SINK_DRAIN_GRACE:g} s after the "
+        f"run stopped (still handling {'its' if one else 'their'} events, or closing): what "
+        f"{'it' if one else 'they'} had not handled is lost; the episodes the writers placed "
+        "are saved (path_save; run again with resume=True in a new runner to play the rest)"
     )
 
 

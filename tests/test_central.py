@@ -469,6 +469,44 @@ async def test_episodes_that_ended_waiting_for_a_batch_are_not_asked_for(env: An
     assert agent.asked == [0, 3] and sorted(replies) == [0, 3]
 
 
+async def test_an_episode_ending_while_its_batch_forms_is_not_asked_for(env: Any) -> None:
+    # The call waits in a batch still forming (for another episode in flight, max_wait) when
+    # its episode ends: the batch played it anyway.
+    from asyncrunner._engine._central import _Server
+    from asyncrunner._engine._channel import AgentCall
+
+    agent = HeldFirstBatch(env.action_space)
+    server = _Server(CentralAgent(agent, max_batch=2, max_wait=60, vectors=True), lambda i: env)
+    vector = env.reset().to_vect()
+    answered = anyio.Event()
+
+    async def call(index: int, *, task_status: Any = anyio.TASK_STATUS_IGNORED) -> None:
+        with anyio.CancelScope() as scope:
+            task_status.started(scope)
+            observation = np.concatenate([[index], vector[1:]])
+            await server.act(AgentCall("run", index, 1, observation, 0.0, False, None, True))
+            if index == 3:
+                answered.set()
+
+    async with server.send, server.receive, anyio.create_task_group() as group:
+        group.start_soon(server.batches)
+        await group.start(call, 0)  # its batch is held
+        await anyio.wait_all_tasks_blocked()
+        scope = await group.start(call, 1)  # waits in line
+        await anyio.wait_all_tasks_blocked()
+        agent.release.set()  # episode 0 answered; 1's batch forms, waiting for 0's next call
+        await anyio.wait_all_tasks_blocked()
+        scope.cancel()  # episode 1 ends (a timeout)
+        server.forget((1, 1))
+        server.forget((0, 1))  # and so does episode 0
+        await anyio.wait_all_tasks_blocked()
+        await group.start(call, 3)
+        with anyio.fail_after(10):
+            await answered.wait()
+        group.cancel_scope.cancel()
+    assert agent.asked == [0, 3]
+
+
 async def test_a_worker_dying_mid_group_replays_the_group(env: Any) -> None:
     import os
     import signal

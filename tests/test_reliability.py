@@ -1051,6 +1051,9 @@ async def test_unusable_path_save_is_rejected_before_work(env: Any, tmp_path: An
     (tmp_path / "scratch").symlink_to(tmp_path / "not-mounted" / "runs")
     with pytest.raises(ValueError, match=r"is a link to .*not-mounted/runs', which is not there"):
         await runner.run(1, path_save=tmp_path / "scratch")
+    told = r"scratch/exp1' cannot be created: .*scratch' is a link to .*runs', which is not there"
+    with pytest.raises(ValueError, match=told):
+        await runner.run(1, path_save=tmp_path / "scratch" / "exp1")
     assert runner._pids == set()
     await runner.aclose()
 

@@ -407,13 +407,15 @@ def check_path_save(
     folder = os.path.abspath(os.fspath(path))
     if os.path.exists(folder) and not os.path.isdir(folder):
         raise ValueError(f"`{name}` {folder!r} is a file: give a folder to {purpose}")
-    if os.path.islink(folder) and not os.path.exists(folder):
-        raise ValueError(
-            f"`{name}` {folder!r} is a link to {os.readlink(folder)!r}, which is not there (a "
-            f"disk not mounted?): make that folder, or give another folder to {purpose}"
-        )
     ancestor = folder
     while not os.path.exists(ancestor):
+        if os.path.islink(ancestor):  # ($SCRATCH/runs, the scratch disk not mounted)
+            what = "is" if ancestor == folder else f"cannot be created: {ancestor!r} is"
+            raise ValueError(
+                f"`{name}` {folder!r} {what} a link to {os.readlink(ancestor)!r}, which is not "
+                f"there (a disk not mounted?): make that folder, or give another folder to "
+                f"{purpose}"
+            )
         ancestor = os.path.dirname(ancestor)
     if not os.path.isdir(ancestor):
         raise ValueError(

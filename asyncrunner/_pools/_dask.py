@@ -227,7 +227,7 @@ class DaskExecutor:
             raise ValueError("the Dask client is closed: pass an open one (or its address)")
         self._lock: anyio.Lock | None = None
         self._looked = -math.inf  # when ``_look`` last asked the scheduler how many workers
-        self._workerless: float | None = None  # since when it has had none (inf: told)
+        self._workerless: float | None = None  # since when (time.time) it has had none; inf: told
         self._waits: anyio.CapacityLimiter | None = None
         if listen is None and isinstance(client, str):
             try:
@@ -280,6 +280,7 @@ class DaskExecutor:
                     UserWarning,
                     stacklevel=2,
                 )
+                self._workerless = math.inf  # (told: not again while none has joined)
             else:
                 versions = await call(lambda: client.get_versions(packages=packages))
         here = versions["client"]["packages"]
@@ -445,22 +446,29 @@ class DaskExecutor:
         if now - self._looked < _WATCH:  # (one look for all the episodes waiting)
             return
         self._looked = now
-        # An asynchronous client's is its cached view (two seconds old at most): no call.
-        info = client.scheduler_info() if client.asynchronous else client.scheduler_info(0)
-        if info.get("n_workers", 1):
+        if client.asynchronous:  # its cached view (two seconds old at most): no call
+            info = client.scheduler_info()
+            # (a count since distributed 2025.4; before, every worker's identity)
+            workers = info.get("n_workers", len(info.get("workers", ())))
+        else:
+            workers = len(client.nthreads())
+        if workers:
             self._workerless = None
         elif self._workerless is None:
-            self._workerless = now
-        elif now - self._workerless >= _WORKERLESS_TOLD:
+            self._workerless = time.time()
+        elif time.time() - self._workerless >= _WORKERLESS_TOLD:
+            since = time.strftime("%H:%M:%S", time.localtime(self._workerless))
             self._workerless = math.inf  # told, until workers come back
             address = client.scheduler.address
-            warnings.warn(
-                f"the Dask scheduler at {address} has had no worker for "
-                f"{_WORKERLESS_TOLD:g} s: the run's episodes wait until one joins (start them "
-                f"with `dask worker {address} --nthreads 1`, or scale your cluster)",
-                UserWarning,
-                stacklevel=1,
-            )
+            # Never the failure of the episode whose wait looked (warnings made errors).
+            with contextlib.suppress(Warning):
+                warnings.warn(
+                    f"the Dask scheduler at {address} has had no worker since {since}: the "
+                    f"run's episodes wait until one joins (start them with `dask worker "
+                    f"{address} --nthreads 1`, or scale your cluster)",
+                    UserWarning,
+                    stacklevel=1,
+                )
 
     async def aclose(self) -> None:
         """Close the client and cluster opened here (a client passed in is left open)."""
