@@ -451,7 +451,10 @@ class DaskExecutor:
             # (a count since distributed 2025.4; before, every worker's identity)
             workers = info.get("n_workers", len(info.get("workers", ())))
         else:
-            workers = len(client.nthreads())
+            try:
+                workers = len(client.nthreads())
+            except Exception:  # (a scheduler lost: the client closing tells it, SchedulerLost)
+                return  # a look only: never the episode's failure
         if workers:
             self._workerless = None
         elif self._workerless is None:
