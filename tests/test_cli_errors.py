@@ -952,6 +952,35 @@ def test_run_starts_its_forked_workers_from_copies_of_the_env_it_made(
     assert _envs.builds() == before
 
 
+def _stop_handlers(_: object = None) -> tuple[bool, ...]:  # (in a pool's process: defaults?)
+    return tuple(signal.getsignal(s) is signal.SIG_DFL for s in (signal.SIGTERM, signal.SIGHUP))
+
+
+def test_a_pool_forked_during_the_bench_is_ended_by_sigterm() -> None:
+    # `asyncrunner bench` hung for ever in grid2op's Runner contender: a process of its pool,
+    # forked with the bench's Python handler for SIGTERM, lived on after `Pool.terminate()`
+    # (its main thread, waiting on the pool's queue lock, never ran the handler), and
+    # `Pool.join` waited. Forked processes now have the default, which the kernel applies
+    # whatever their threads are doing.
+    import multiprocessing
+
+    from asyncrunner._cli._bench import _terminated_as_interrupted
+
+    fork = multiprocessing.get_context("fork")
+    with _terminated_as_interrupted():
+        assert callable(signal.getsignal(signal.SIGTERM))  # (the bench's own)
+        with fork.Pool(2) as pool:
+            assert pool.map(_stop_handlers, range(4), chunksize=1) == [(True, True)] * 4
+        assert callable(signal.getsignal(signal.SIGTERM))
+    # a process forked outside the bench keeps what it inherits
+    mine = signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    try:
+        with fork.Pool(1) as pool:
+            assert pool.apply(_stop_handlers) == (False, True)
+    finally:
+        signal.signal(signal.SIGTERM, mine)
+
+
 def test_the_sigterm_handler_is_the_runs_only() -> None:
     # The process's own handler comes back after (it was left at SIG_DFL), and a command run
     # off the main thread, where no signal handler can be set, runs.

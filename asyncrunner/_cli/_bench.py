@@ -268,18 +268,28 @@ def _terminated_as_interrupted() -> Iterator[None]:
     """SIGTERM (``timeout``, a batch system) or SIGHUP stops the bench as Ctrl-C does:
     ``Terminated`` is raised (in the AsyncRunner runs, ``_until_terminated`` cancels them
     first), the runners stop their workers and remove their temporary folders. It ended the
-    process at once, leaving them. (In a process forked meanwhile, a pool's, it ends it.)"""
-    pid = os.getpid()
-
-    def terminate(signum: int, frame: object) -> None:
-        if os.getpid() != pid:
-            signal.signal(signum, signal.SIG_DFL)
-            os.kill(os.getpid(), signum)
-            return
-        raise Terminated(signum)
-
-    with stopping(terminate):
+    process at once, leaving them. (A process forked meanwhile, a pool's, has the default.)"""
+    with stopping(_terminate):
         yield
+
+
+def _terminate(signum: int, frame: object) -> None:
+    raise Terminated(signum)
+
+
+def _default_in_child() -> None:
+    """A process forked while the bench has its handler (grid2op's Runner's pool, the bare
+    loops) takes the default back at once. With the handler, SIGTERM (``Pool.terminate()``)
+    could leave it alive: a Python handler runs only when the main thread next runs Python,
+    and a pool worker's, waiting on its queue's lock, never woke (a signal that came as it
+    went to wait, or that the kernel gave its OpenBLAS thread): the bench waited in
+    ``Pool.join`` for ever."""
+    for signum in (signal.SIGTERM, signal.SIGHUP):
+        if signal.getsignal(signum) is _terminate:
+            signal.signal(signum, signal.SIG_DFL)
+
+
+os.register_at_fork(after_in_child=_default_in_child)
 
 
 async def _until_terminated(runs: Callable[[], Awaitable[None]]) -> None:
