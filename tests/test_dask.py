@@ -470,6 +470,17 @@ async def test_a_task_whose_channel_closed_ends_without_failing_and_the_runner_i
         await executor.play(job)  # (the pool makes it a WorkerDied, as before)
 
 
+def test_a_task_that_cannot_reach_its_runner_returns_saying_so(tmp_path: Path) -> None:
+    # A task Dask re-ran after its run ended (its worker lost meanwhile; the run retried the
+    # episode and closed) found the run's channel gone: it raised, and its worker logged
+    # "Compute Failed" with the traceback. It returns why, raised in the runner as before.
+    from asyncrunner._pools import _dask
+
+    job: Any = type("Job", (), dict(address=str(tmp_path / "gone"), token="t", claim_key="r/0/0"))()
+    said = _dask._dask_episode(job)
+    assert said.startswith(f"channel closed: cannot reach the runner at {tmp_path / 'gone'}: ")
+
+
 @dataclass
 class Commands:
     """A cluster started with Dask's own commands: its scheduler's address and process."""

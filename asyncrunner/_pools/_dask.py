@@ -80,9 +80,11 @@ def _check_client(client: Any) -> None:
 
 def _dask_episode(job: EpisodeJob) -> str:
     """Runs on a Dask worker: play ``job`` unless another execution already claimed it."""
-    if not _channel.claim(job.address, job.token, job.claim_key):
-        return _LOST
     try:
+        # (a claim that cannot reach the runner: Dask re-ran the task after the run ended, or
+        # the worker cannot reach this machine; raised in the runner as it was here)
+        if not _channel.claim(job.address, job.token, job.claim_key):
+            return _LOST
         return run_episode(job)
     except _channel.ChannelClosed as exc:
         return _CLOSED + str(exc)
