@@ -367,6 +367,36 @@ async def test_a_cluster_of_yours_left_without_workers_mid_run_is_told(
     assert [(r.error, r.nb_time_step) for r in results] == [(None, 100), (None, 100)]
 
 
+def test_the_no_worker_warning_never_fails_a_wait_when_warnings_are_errors(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # With warnings made errors (`-W error`, pytest's filterwarnings), the warning raised in
+    # the wait of the episode that looked, and failed that episode (a script's run showed it:
+    # a synchronous client, 14 s without a worker). Made an error, it is not told there.
+    import warnings
+
+    from asyncrunner._pools import _dask
+
+    monkeypatch.setattr(_dask, "_WORKERLESS_TOLD", 0.0)
+    monkeypatch.setattr(_dask, "_WATCH", 0.0)
+    with (
+        distributed.LocalCluster(
+            n_workers=0, processes=True, host="127.0.0.1", dashboard_address=":0"
+        ) as local,
+        distributed.Client(local) as client,
+    ):
+        executor = _dask.DaskExecutor(client)
+        for filters in ("always", "error"):
+            executor._workerless = None
+            with warnings.catch_warnings(record=True) as warned:
+                warnings.simplefilter(filters)
+                executor._look(client)  # (no worker since now)
+                executor._look(client)  # (told)
+            assert [type(w.message) for w in warned] == (
+                [UserWarning] if filters == "always" else []
+            )
+
+
 async def test_episodes_cancelled_by_a_cluster_restart_are_retried(env: Any) -> None:
     """``client.restart()`` cancels every task ("Please re-run your work"): a worker loss."""
     events: list[Any] = []
