@@ -309,6 +309,7 @@ class AsyncRunner(AsyncResource):
         self._space_files: dict[str, bytes] | None = None
         self._pool: WorkerPool | None = None
         self._closed = False
+        self._closing: anyio.Event | None = None  # set as the first ``aclose`` ends
         # The runs playing, each in a scope of its own, and an event set when none is left (when
         # the last one ends). Closing the runner stops each run (its sinks finish the events they
         # were given), or cancels its scope before its sinks start or once they are done.
@@ -434,12 +435,18 @@ class AsyncRunner(AsyncResource):
 
     async def aclose(self) -> None:
         """Stop the warm-up and the runs still playing (another task's ``run()`` then raises
-        ``AsyncRunnerError``), then the worker processes this runner used."""
+        ``AsyncRunnerError``), then the worker processes this runner used. A second call
+        returns once the first has (at once from a run the first waits for: a sink of it)."""
         if self._closed:
+            closing, loop = self._closing, self._loop
+            inside = self._playing.keys() & _INSIDE.get()
+            if closing is not None and not inside and loop and _current_loop()[1] is loop[1]:
+                await closing.wait()  # (it returned at once: its caller went on, workers alive)
             return
         with self._loop_lock:
             self._check_loop()
         self._closed = True
+        self._closing = closing = anyio.Event()
         try:
             if self._playing:
                 for scope, run in self._playing.items():
@@ -452,7 +459,10 @@ class AsyncRunner(AsyncResource):
                     self._none_playing = anyio.Event()
                     await self._none_playing.wait()
         finally:
-            await self._stop_workers()
+            try:
+                await self._stop_workers()
+            finally:
+                closing.set()
 
     async def _stop_workers(self) -> None:
         """Stop this runner's worker processes and let go of the env held for them (or being

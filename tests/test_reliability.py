@@ -18,6 +18,7 @@ from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from typing import Any, ClassVar
 
 import anyio
+import anyio.lowlevel
 import pytest
 from grid2op.Agent import BaseAgent, DoNothingAgent
 from grid2op.Episode import EpisodeData
@@ -1014,6 +1015,36 @@ async def test_closing_a_runner_stops_the_runs_playing_on_it(env: Any, tmp_path:
     async with AsyncRunner(env, agent=DoNothingAgent, workers=2) as again:
         results = await again.run(40, max_iter=5, path_save=tmp_path, resume=True)
     assert [r.nb_time_step for r in results] == [5] * 40
+
+
+@BOTH_LOOPS
+async def test_a_second_close_returns_once_the_first_has(env: Any) -> None:
+    # A web app's shutdown and its own cleanup both closing the runner: the second aclose()
+    # returned at once while the first still stopped the run and the workers, and its caller
+    # went on (a new runner, the process's exit) with them alive.
+    before = children()
+    runner = AsyncRunner(env, agent=DoNothingAgent, workers=2)
+    playing = anyio.Event()
+
+    def note(event: Any) -> None:
+        if isinstance(event, EpisodeStarted):
+            playing.set()
+
+    async def play() -> None:
+        with pytest.raises(AsyncRunnerError, match="closed while this run played"):
+            await runner.run(40, max_iter=5, sinks=[CallbackSink(note)])
+
+    await runner.__aenter__()
+    with anyio.fail_after(60):
+        async with anyio.create_task_group() as group:
+            group.start_soon(play)
+            await playing.wait()
+            group.start_soon(runner.aclose)
+            while not runner._closed:  # (the first close has begun)
+                await anyio.lowlevel.checkpoint()
+            await runner.aclose()
+            assert not any(alive(pid) for pid in runner._pids)
+    assert children() - before == set()
 
 
 @BOTH_LOOPS
