@@ -251,10 +251,13 @@ class AsyncRunner(AsyncResource):
         # get this script's classes by value. So do a process pool's when ``__main__`` is no
         # file (a notebook's cells, ``python -c``: even forked workers, forked before a cell
         # defined a class, lack it), or when its spawned workers would not import it
-        # (``_spawned_workers_import_main``).
+        # (``_spawned_workers_import_main``); and anyio's (where this process does not fork)
+        # when ``__main__`` is no file: they run it by its file, and have none to run.
         by_value = executor is not None and not isinstance(
             executor, concurrent.futures.ThreadPoolExecutor
         )
+        if executor is None and not _FORK:
+            by_value = not hasattr(sys.modules["__main__"], "__file__")
         if isinstance(executor, concurrent.futures.ProcessPoolExecutor):
             context = getattr(executor, "_mp_context", None)
             forks = context is not None and context.get_start_method() == "fork"

@@ -325,6 +325,90 @@ def test_an_agent_class_of_a_main_spawned_workers_cannot_import_plays_there(
     assert done.stdout.strip().splitlines()[-1] == "[(5, None), (5, None)]", done.stdout
 
 
+_UNFORKED_MAIN = """
+import asyncio
+
+from grid2op.Agent import DoNothingAgent
+
+import asyncrunner._runner
+from asyncrunner import AsyncRunner
+from tests.conftest import make_env
+
+IMPORTS
+asyncrunner._runner._FORK = False  # the default pool where this process cannot fork (macOS)
+
+
+async def main(agent):
+    async with AsyncRunner(make_env(), agent=agent, workers=1) as runner:
+        try:
+            results = await runner.run(2, max_iter=5)
+        except Exception as exc:
+            print(type(exc).__name__, exc)
+        else:
+            print([(r.nb_time_step, r.error) for r in results])
+
+
+class CellAgent(DoNothingAgent):
+    pass
+
+
+if __name__ == "__main__":
+
+    class GuardedAgent(DoNothingAgent):
+        pass
+
+    asyncio.run(main(AGENT))
+"""
+
+
+@pytest.mark.slow  # anyio's worker interpreters import grid2op (seconds each)
+@pytest.mark.parametrize("main", ["python -c", "relative import", "class under the guard"])
+def test_a_main_script_anyios_workers_cannot_run_plays_or_says_why(
+    main: str, tmp_path: Path
+) -> None:
+    """The default pool where this process does not fork (macOS, Windows) is anyio's: each
+    worker runs the main script by its file. A notebook's cells (``python -c``) have none: a
+    class of theirs failed every episode ("No module named '__main__'"), it goes by value. A
+    script run as ``python -m package.script`` with a relative import was a worker death
+    (retried, "Error during worker process initialization", no cause), and a class defined
+    under ``if __name__ == "__main__":`` an AttributeError naming ``__mp_main__``: both say
+    what to change (found by the spawn hunt)."""
+    package = tmp_path / "evaluation"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "agents.py").write_text(
+        "from grid2op.Agent import DoNothingAgent\n\nclass RelAgent(DoNothingAgent):\n    pass\n"
+    )
+    code = _UNFORKED_MAIN.replace(
+        "IMPORTS", "from .agents import RelAgent" * (main == "relative import")
+    )
+    code = code.replace(
+        "AGENT", {"python -c": "CellAgent", "relative import": "RelAgent"}.get(main, "GuardedAgent")
+    )
+    if main == "python -c":
+        done = run_code(code)
+    else:
+        (package / "script.py").write_text(code)
+        done = run_module(tmp_path, "evaluation.script")
+    assert done.returncode == 0, done.stderr
+    said = next(line for line in done.stdout.splitlines() if line.startswith(("[", "Episode")))
+    if main == "python -c":
+        assert said == "[(5, None), (5, None)]", done.stdout
+    elif main == "relative import":
+        assert said.startswith(
+            "EpisodeError episode 0 failed after 0 steps: RuntimeError: a worker process could "
+            f"not run your main script {package / 'script.py'} (ImportError: attempted relative "
+            "import with no known parent package): "
+        ), said
+        assert "absolute imports rather than relative ones" in said
+    else:
+        assert said.startswith(
+            "EpisodeError episode 0 failed after 0 steps: AttributeError: Can't get attribute "
+            "'GuardedAgent' on <module '__mp_main__'"
+        ), said
+        assert "define the agent's class (and the others given to the runner) at the" in said
+
+
 @pytest.mark.slow  # a local Dask cluster (worker processes of its own)
 def test_lambda_factory_plays_on_dask_workers(env: Any, by_class: list[Any]) -> None:
     pytest.importorskip("distributed")

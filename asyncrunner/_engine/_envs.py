@@ -708,6 +708,15 @@ def _unpickled(recipe_bytes: bytes) -> Recipe:
             "start the workers with its folder on PYTHONPATH)",
             name=exc.name,
         ) from exc
+    except AttributeError as exc:
+        if "__mp_main__" not in str(exc):
+            raise
+        # (a class defined under the script's ``if __name__ == "__main__":``)
+        raise AttributeError(
+            f'{exc}: this worker runs your main script as "__mp_main__", so what is defined '
+            'under its `if __name__ == "__main__":` is not there: define the agent\'s class '
+            "(and the others given to the runner) at the script's top level, or in a module"
+        ) from exc
     return recipe
 
 

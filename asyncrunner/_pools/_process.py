@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -23,7 +24,23 @@ class ProcessPool(WorkerPool):
     died = (BrokenWorkerProcess,)
 
     async def submit(self, fn: Callable[..., T], *args: Any) -> T:
-        return await anyio.to_process.run_sync(fn, *args, cancellable=True, limiter=self.limiter)
+        try:
+            return await anyio.to_process.run_sync(
+                fn, *args, cancellable=True, limiter=self.limiter
+            )
+        except BrokenWorkerProcess as exc:
+            # A new worker runs this process's main script by its file first (as
+            # ``__mp_main__``): what it raised there was a worker death with no cause given.
+            if str(exc) != "Error during worker process initialization" or exc.__cause__ is None:
+                raise
+            script = getattr(sys.modules["__main__"], "__file__", None)
+            raise RuntimeError(
+                f"a worker process could not run your main script {script} "
+                f"({type(exc.__cause__).__name__}: {exc.__cause__}): each worker runs it by its "
+                'file, as "__mp_main__" (this process does not fork its workers here); make it '
+                "run that way: absolute imports rather than relative ones, and the script's "
+                'own work under `if __name__ == "__main__":`'
+            ) from exc.__cause__
 
     async def stop(self) -> None:
         # anyio keeps its process pool per event loop and has no public way to stop it; we stop
