@@ -415,8 +415,14 @@ class AsyncRunner(AsyncResource):
         # are (``fresh_copy``): grid2op's copy drops what their __init__ or init set.
         make = functools.partial(fresh_copy, self._first_env) if self._copied else None
         key = self._recipe_key
+        started = False
 
         def holding() -> None:
+            nonlocal started
+            with self._hold_lock:
+                if done.is_set():
+                    return  # given up before it started (below)
+                started = True
             held = False
             try:
                 held = hold(key, self._recipe_bytes, self._lent_env, make)
@@ -433,8 +439,17 @@ class AsyncRunner(AsyncResource):
                 finally:
                     done.set()
 
-        with anyio.CancelScope(shield=True):
-            await anyio.to_thread.run_sync(holding)
+        try:
+            with anyio.CancelScope(shield=True):
+                await anyio.to_thread.run_sync(holding)
+        except BaseException:
+            # Cancelled by asyncio through the shield before a thread took the call: anyio then
+            # never runs it, and the closing waited for ever for its end.
+            with self._hold_lock:
+                if not started:
+                    self._holding = None
+                    done.set()
+            raise
 
     async def aclose(self) -> None:
         """Stop the warm-up and the runs still playing (another task's ``run()`` then raises

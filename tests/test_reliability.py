@@ -808,6 +808,29 @@ async def test_an_interrupted_opening_stops_its_workers_and_lets_its_env_go(
     assert result.nb_time_step == 3 and holders(key) == 0
 
 
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])  # (trio's cancel keeps to the shield)
+async def test_an_opening_cancelled_before_its_hold_started_ends(env: Any) -> None:
+    # `asyncio.timeout(0.005)` around `async with AsyncRunner(...)`, a web client gone: asyncio's
+    # cancel went through the shield before a thread took the hold's call, which anyio then
+    # never ran, and the opening's cleanup waited for its end for ever. Cancelled here as soon
+    # as the hold's call is handed to a thread (this thread keeps the GIL until then).
+    for _ in range(3):
+        runner = AsyncRunner(env, agent=Fresh, workers=2)
+        opening = asyncio.ensure_future(runner.__aenter__())
+        while runner._holding is None:  # noqa: ASYNC110  (set in the opening: no event)
+            await asyncio.sleep(0)
+        opening.cancel()
+        ended = (await asyncio.wait({opening}, timeout=20))[0]
+        if not ended:  # (unstuck, to end the test)
+            runner._holding.set()
+        assert ended, "the cancelled opening never ended"
+        assert opening.cancelled()
+        assert holders(runner._recipe_key) == 0 and not _envs._FROZEN
+    async with runner:  # a new opening starts afresh
+        [result] = await runner.run(1, max_iter=3)
+    assert result.nb_time_step == 3
+
+
 @BOTH_LOOPS
 async def test_runners_opened_in_one_task_close_in_the_order_opened(env: Any) -> None:
     first = AsyncRunner(env, agent=DoNothingAgent, workers=1)
