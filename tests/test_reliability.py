@@ -447,9 +447,27 @@ async def test_a_recipe_a_worker_cannot_load_fails_the_episode_with_its_tracebac
 
 # Python >= 3.12 warns that forking a multi-threaded process may deadlock: not here.
 @pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")
-async def test_a_broken_process_pool_executor_fails_what_is_left_saying_why(env: Any) -> None:
+@pytest.mark.parametrize("recipe", [False, True], ids=["", "readme-sigterm-recipe"])
+async def test_a_broken_process_pool_executor_fails_what_is_left_saying_why(
+    env: Any, recipe: bool
+) -> None:
     """A ProcessPoolExecutor that lost a process fails every call after: nothing can be replayed
-    on it (a retry would fail at once, and blame a dead worker for episodes that never ran)."""
+    on it (a retry would fail at once, and blame a dead worker for episodes that never ran).
+    With the README's recipe for SIGTERM (``loop.add_signal_handler``), the processes the pool
+    forked from the loop's thread kept its wakeup fd and asyncio's handler: the SIGTERM the pool
+    ends the others with went to this loop, and cancelled the whole run (signals hunt)."""
+    if recipe:
+        loop, task = asyncio.get_running_loop(), asyncio.current_task()
+        assert task is not None
+        loop.add_signal_handler(signal.SIGTERM, task.cancel)
+    try:
+        await _kill_a_process_of_the_executor(env)
+    finally:
+        if recipe:
+            loop.remove_signal_handler(signal.SIGTERM)
+
+
+async def _kill_a_process_of_the_executor(env: Any) -> None:
     events: list[Any] = []
 
     def kill_mid_episode(event: Any) -> None:

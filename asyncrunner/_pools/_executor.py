@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import concurrent.futures
+import os
+import signal
+import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import replace
@@ -23,6 +26,29 @@ _SHUT_DOWN = (
     "the executor given to AsyncRunner was shut down (executor.shutdown()); pass an open one, "
     "or none (the default pool)"
 )
+
+
+_HERE = os.getpid()  # (this process: an executor's forked process has another pid)
+_SET_BACK: int | None = None  # the executor's process whose handlers ``_in_worker`` set back
+
+
+def _in_worker(fn: Callable[..., T], *args: Any) -> T:
+    """``fn(*args)`` in the executor's process, which first sets back what an event loop of
+    the runner's process handed it by the fork (a ``ProcessPoolExecutor`` forks as calls are
+    submitted, from the loop's thread): its signal wakeup fd, and asyncio's handlers, which
+    ignore the signal (``loop.add_signal_handler(SIGTERM, ...)``, the README's recipe). With
+    them, a process ended with SIGTERM (the pool ends the others so when one dies) lived on,
+    and wrote the signal to the runner's loop, whose handler cancelled the whole run."""
+    global _SET_BACK
+    pid = os.getpid()
+    if pid not in (_HERE, _SET_BACK) and threading.current_thread() is threading.main_thread():
+        _SET_BACK = pid
+        signal.set_wakeup_fd(-1)
+        for signum in signal.valid_signals():
+            handler = signal.getsignal(signum)
+            if getattr(handler, "__module__", None) == "asyncio.unix_events":
+                signal.signal(signum, signal.SIG_DFL)
+    return fn(*args)
 
 
 class ExecutorPool(WorkerPool):
@@ -48,7 +74,7 @@ class ExecutorPool(WorkerPool):
         async with self.limiter:
             try:
                 try:
-                    future = self.executor.submit(fn, *args)
+                    future = self.executor.submit(_in_worker, fn, *args)
                 except concurrent.futures.BrokenExecutor:
                     raise  # (a RuntimeError too) told below
                 except RuntimeError as exc:  # "cannot schedule new futures after shutdown"
