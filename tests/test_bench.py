@@ -397,6 +397,47 @@ def test_bare_loops_at_once_share_the_episodes_and_survive_a_dead_loop(env: Any)
     assert bare_loops_at_once(env, _DiesAtFirstAct, plan) is None
 
 
+class _Sleeps:  # an agent class whose first act takes a minute
+    def __init__(self, action_space: Any) -> None:
+        self.action_space = action_space
+
+    def seed(self, seed: Any) -> None:
+        pass
+
+    def reset(self, obs: Any) -> None:
+        pass
+
+    def act(self, *args: Any) -> Any:
+        import time
+
+        time.sleep(60)
+
+
+def test_bare_loops_at_once_stopped_by_a_signal_end_at_once(env: Any) -> None:
+    # SIGTERM to the bench alone (`kill`, `docker stop`) as its loops played at once: it said
+    # "terminated" and waited for the loops to end (minutes with whole episodes).
+    import multiprocessing
+    import signal
+
+    from asyncrunner._cli._bench_contenders import Plan, bare_loops_at_once
+
+    class Stop(Exception):
+        pass
+
+    def stop(signum: int, frame: object) -> None:
+        raise Stop
+
+    previous = signal.signal(signal.SIGALRM, stop)
+    signal.setitimer(signal.ITIMER_REAL, 1.0)  # (the loops playing by then)
+    try:
+        with pytest.raises(Stop):
+            bare_loops_at_once(env, _Sleeps, Plan(2, 2, 5, [0, 1], [1, 2], [3, 4]))
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    assert multiprocessing.active_children() == []
+
+
 def test_without_grid2op_asyncrunner_runs_that_differ_disagree() -> None:
     # `--skip-grid2op` exited 0 when the AsyncRunner runs played different rewards per episode.
     from asyncrunner._cli._bench_report import agreement
@@ -413,7 +454,8 @@ def test_without_grid2op_asyncrunner_runs_that_differ_disagree() -> None:
 @pytest.mark.parametrize(
     ("loop", "phase", "ctrl_c"),
     [("asyncio", "AsyncRunner: cold", False), ("trio", "AsyncRunner: cold", False),
-     ("asyncio", "sweep: grid2op", False), ("asyncio", "at once", True)],
+     ("asyncio", "sweep: grid2op", False), ("asyncio", "at once", True),
+     ("trio", "AsyncRunner: cold", True)],
 )  # fmt: skip
 def test_sigterm_stops_the_bench_as_ctrl_c_does(
     tmp_path: Any, loop: str, phase: str, ctrl_c: bool

@@ -299,17 +299,25 @@ async def _until_terminated(runs: Callable[[], Awaitable[None]]) -> None:
     got: list[int] = []
     # (kept: asyncio's receiver leaves SIG_DFL, and the bench's next phases would end at once)
     with kept_handlers() as signums:
-        async with anyio.create_task_group() as group:
-            with anyio.open_signal_receiver(*signums) as signals:
+        try:
+            async with anyio.create_task_group() as group:
+                with anyio.open_signal_receiver(*signums) as signals:
 
-                async def watch() -> None:
-                    async for signum in signals:
-                        got.append(signum)
-                        group.cancel_scope.cancel()
+                    async def watch() -> None:
+                        async for signum in signals:
+                            got.append(signum)
+                            group.cancel_scope.cancel()
 
-                group.start_soon(watch)
-                await runs()
-                group.cancel_scope.cancel()
+                    group.start_soon(watch)
+                    await runs()
+                    group.cancel_scope.cancel()
+        except BaseExceptionGroup as exc:
+            # trio raises Ctrl-C's KeyboardInterrupt in a task: it came out in a group, a
+            # traceback and exit status 1 where asyncio's says "interrupted", 130
+            interrupts, others = exc.split(KeyboardInterrupt)
+            if interrupts is None or others is not None:
+                raise
+            raise KeyboardInterrupt from None
     if got:
         raise Terminated(got[0])
 

@@ -152,13 +152,19 @@ def bare_loops_at_once(env: Any, agent: Any, plan: Plan) -> dict[str, Any] | Non
         send.close()
         loops.append((loop, receive))
     received: list[dict[str, Any] | None] = []
-    for loop, receive in loops:
-        try:
-            received.append(receive.recv())
-        except EOFError:  # the loop's process died before it sent its timing
-            received.append(None)
-        loop.join()
-        receive.close()
+    try:
+        for loop, receive in loops:
+            try:
+                received.append(receive.recv())
+            except EOFError:  # the loop's process died before it sent its timing
+                received.append(None)
+            loop.join()
+            receive.close()
+    except BaseException:  # (SIGTERM to the bench alone: it waited for the loops to end)
+        for loop, _ in loops:
+            loop.kill()
+            loop.join()
+        raise
     timings = [timing for timing in received if timing is not None]
     if len(timings) < len(received):
         return None
