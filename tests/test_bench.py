@@ -397,16 +397,7 @@ def test_bare_loops_at_once_share_the_episodes_and_survive_a_dead_loop(env: Any)
     assert bare_loops_at_once(env, _DiesAtFirstAct, plan) is None
 
 
-class _Sleeps:  # an agent class whose first act takes a minute
-    def __init__(self, action_space: Any) -> None:
-        self.action_space = action_space
-
-    def seed(self, seed: Any) -> None:
-        pass
-
-    def reset(self, obs: Any) -> None:
-        pass
-
+class _Sleeps(_DiesAtFirstAct):  # an agent class whose first act takes a minute
     def act(self, *args: Any) -> Any:
         import time
 
