@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from typing import Any
 
 import pytest
@@ -399,8 +400,6 @@ def test_bare_loops_at_once_share_the_episodes_and_survive_a_dead_loop(env: Any)
 
 class _Sleeps(_DiesAtFirstAct):  # an agent class whose first act takes a minute
     def act(self, *args: Any) -> Any:
-        import time
-
         time.sleep(60)
 
 
@@ -420,6 +419,7 @@ def test_bare_loops_at_once_stopped_by_a_signal_end_at_once(env: Any) -> None:
 
     previous = signal.signal(signal.SIGALRM, stop)
     signal.setitimer(signal.ITIMER_REAL, 1.0)  # (the loops playing by then)
+    start = time.monotonic()
     try:
         with pytest.raises(Stop):
             bare_loops_at_once(env, _Sleeps, Plan(2, 2, 5, [0, 1], [1, 2], [3, 4]))
@@ -427,6 +427,7 @@ def test_bare_loops_at_once_stopped_by_a_signal_end_at_once(env: Any) -> None:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
     assert multiprocessing.active_children() == []
+    assert time.monotonic() - start < 30  # stopped, not waited for (their act takes a minute)
 
 
 def test_without_grid2op_asyncrunner_runs_that_differ_disagree() -> None:

@@ -317,7 +317,10 @@ async def _until_terminated(runs: Callable[[], Awaitable[None]]) -> None:
             interrupts, others = exc.split(KeyboardInterrupt)
             if interrupts is None or others is not None:
                 raise
-            raise KeyboardInterrupt from None
+            first: BaseException = interrupts
+            while isinstance(first, BaseExceptionGroup):
+                first = first.exceptions[0]
+            raise first from None  # (SIGTERM's Terminated stays so: 143)
     if got:
         raise Terminated(got[0])
 

@@ -29,25 +29,40 @@ _SHUT_DOWN = (
 
 
 _HERE = os.getpid()  # (this process: an executor's forked process has another pid)
-_SET_BACK: int | None = None  # the executor's process whose handlers ``_in_worker`` set back
+_SET_BACK: int | None = None  # the executor's process whose handlers were set back
+_submitting = threading.local()  # ``.now``: this thread is in ``executor.submit``
+
+
+def _set_back() -> None:
+    """In an executor's process forked from this one (a ``ProcessPoolExecutor`` forks as calls
+    are submitted, from the event loop's thread), set back what the loop handed it by the fork:
+    the signal wakeup fd, and asyncio's handlers, which ignore the signal
+    (``loop.add_signal_handler(SIGTERM, ...)``, the README's recipe). With them, a process ended
+    with SIGTERM (the pool ends the others so when one dies) lived on, and wrote the signal to
+    the runner's loop, whose handler cancelled the whole run."""
+    global _SET_BACK
+    _SET_BACK = os.getpid()
+    signal.set_wakeup_fd(-1)
+    for signum in signal.valid_signals():
+        if getattr(signal.getsignal(signum), "__module__", None) == "asyncio.unix_events":
+            signal.signal(signum, signal.SIG_DFL)
+
+
+def _forked() -> None:  # (every process forked by ``submit``, the idle ones too)
+    if getattr(_submitting, "now", False):
+        _submitting.now = False
+        _set_back()
+
+
+os.register_at_fork(after_in_child=_forked)
 
 
 def _in_worker(fn: Callable[..., T], *args: Any) -> T:
-    """``fn(*args)`` in the executor's process, which first sets back what an event loop of
-    the runner's process handed it by the fork (a ``ProcessPoolExecutor`` forks as calls are
-    submitted, from the loop's thread): its signal wakeup fd, and asyncio's handlers, which
-    ignore the signal (``loop.add_signal_handler(SIGTERM, ...)``, the README's recipe). With
-    them, a process ended with SIGTERM (the pool ends the others so when one dies) lived on,
-    and wrote the signal to the runner's loop, whose handler cancelled the whole run."""
-    global _SET_BACK
+    """``fn(*args)`` in the executor's process, set back first if it was forked elsewhere than
+    in ``submit`` (a process replacing one, from the pool's thread)."""
     pid = os.getpid()
     if pid not in (_HERE, _SET_BACK) and threading.current_thread() is threading.main_thread():
-        _SET_BACK = pid
-        signal.set_wakeup_fd(-1)
-        for signum in signal.valid_signals():
-            handler = signal.getsignal(signum)
-            if getattr(handler, "__module__", None) == "asyncio.unix_events":
-                signal.signal(signum, signal.SIG_DFL)
+        _set_back()
     return fn(*args)
 
 
@@ -74,7 +89,11 @@ class ExecutorPool(WorkerPool):
         async with self.limiter:
             try:
                 try:
-                    future = self.executor.submit(_in_worker, fn, *args)
+                    _submitting.now = True
+                    try:
+                        future = self.executor.submit(_in_worker, fn, *args)
+                    finally:
+                        _submitting.now = False
                 except concurrent.futures.BrokenExecutor:
                     raise  # (a RuntimeError too) told below
                 except RuntimeError as exc:  # "cannot schedule new futures after shutdown"
