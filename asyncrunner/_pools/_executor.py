@@ -28,42 +28,25 @@ _SHUT_DOWN = (
 )
 
 
-_HERE = os.getpid()  # (this process: an executor's forked process has another pid)
-_SET_BACK: int | None = None  # the executor's process whose handlers were set back
 _submitting = threading.local()  # ``.now``: this thread is in ``executor.submit``
 
 
 def _set_back() -> None:
-    """In an executor's process forked from this one (a ``ProcessPoolExecutor`` forks as calls
-    are submitted, from the event loop's thread), set back what the loop handed it by the fork:
-    the signal wakeup fd, and asyncio's handlers, which ignore the signal
-    (``loop.add_signal_handler(SIGTERM, ...)``, the README's recipe). With them, a process ended
-    with SIGTERM (the pool ends the others so when one dies) lived on, and wrote the signal to
-    the runner's loop, whose handler cancelled the whole run."""
-    global _SET_BACK
-    _SET_BACK = os.getpid()
-    signal.set_wakeup_fd(-1)
-    for signum in signal.valid_signals():
-        if getattr(signal.getsignal(signum), "__module__", None) == "asyncio.unix_events":
-            signal.signal(signum, signal.SIG_DFL)
-
-
-def _forked() -> None:  # (every process forked by ``submit``, the idle ones too)
+    """In an executor's process forked by ``submit`` (a fork-context ``ProcessPoolExecutor``
+    forks all its processes at the first call, from the event loop's thread), set back what the
+    loop handed it by the fork: the signal wakeup fd, and asyncio's handlers, which ignore the
+    signal (``loop.add_signal_handler(SIGTERM, ...)``, the README's recipe). With them, a process
+    ended with SIGTERM (the pool ends the others so when one dies) lived on, and wrote the
+    signal to the runner's loop, whose handler cancelled the whole run."""
     if getattr(_submitting, "now", False):
         _submitting.now = False
-        _set_back()
+        signal.set_wakeup_fd(-1)
+        for signum in signal.valid_signals():
+            if getattr(signal.getsignal(signum), "__module__", None) == "asyncio.unix_events":
+                signal.signal(signum, signal.SIG_DFL)
 
 
-os.register_at_fork(after_in_child=_forked)
-
-
-def _in_worker(fn: Callable[..., T], *args: Any) -> T:
-    """``fn(*args)`` in the executor's process, set back first if it was forked elsewhere than
-    in ``submit`` (a process replacing one, from the pool's thread)."""
-    pid = os.getpid()
-    if pid not in (_HERE, _SET_BACK) and threading.current_thread() is threading.main_thread():
-        _set_back()
-    return fn(*args)
+os.register_at_fork(after_in_child=_set_back)
 
 
 class ExecutorPool(WorkerPool):
@@ -91,7 +74,7 @@ class ExecutorPool(WorkerPool):
                 try:
                     _submitting.now = True
                     try:
-                        future = self.executor.submit(_in_worker, fn, *args)
+                        future = self.executor.submit(fn, *args)
                     finally:
                         _submitting.now = False
                 except concurrent.futures.BrokenExecutor:
