@@ -4,6 +4,6 @@
 if __name__ == "__main__":
     import sys
 
-    from asyncrunner._cli import main
+    from asyncrunner._cli import console
 
-    sys.exit(main())
+    sys.exit(console())

@@ -835,6 +835,46 @@ def test_ctrl_c_again_waits_for_the_stop_and_sigterm_still_ends_it(
     assert (float(seconds) >= 3) == whole_stop  # the 3 s stop from the first Ctrl-C at 0.5 s
 
 
+@pytest.mark.parametrize("stopped", [False, True])
+@pytest.mark.parametrize("module", [False, True])
+def test_a_ctrl_c_as_the_command_ends_changes_nothing(
+    tmp_path: Path, stopped: bool, module: bool
+) -> None:
+    # After the command's last line, Python's exit took about a second (collecting the env's
+    # and pandas' objects): a Ctrl-C in it (a second one, after a stop: "changes nothing", the
+    # README says) raised KeyboardInterrupt there and the process died of SIGINT, -2 for 130.
+    (tmp_path / "slow_agent.py").write_text(SLOW_AGENT)
+    command = [sys.executable, "-m", "asyncrunner"] if module else [_script()]
+    argv = ["run", "--agent", "slow_agent.py:Slow", "-w", "1", "--no-pbar", "--save", "runs"]
+    argv += ["-n", "3", "--max-iter", "50"] if stopped else ["-n", "1", "--max-iter", "3"]
+    proc = subprocess.Popen(
+        [*command, *argv], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )  # fmt: skip
+    try:
+        if stopped:
+            deadline = time.monotonic() + 120
+            while not any((tmp_path / "runs").glob("*/asyncrunner.json")):
+                assert proc.poll() is None and time.monotonic() < deadline, "never saved one"
+                time.sleep(0.05)
+            proc.send_signal(signal.SIGINT)
+        last = proc.stderr if stopped else proc.stdout
+        assert last is not None
+        lines = iter(last.readline, "")
+        told = next((line for line in lines if "resume with:" in line or "played" in line), "")
+        assert told, "the command never said it ended"
+        time.sleep(0.2)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:  # pragma: no cover - only when the test failed
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == (130 if stopped else 0), err
+    assert "Traceback" not in err
+    assert "KeyboardInterrupt" not in err
+
+
 FAILS_ON_ONE = """
 
 class FailsOnOne(Slow):
