@@ -145,14 +145,14 @@ def bare_loops_at_once(env: Any, agent: Any, plan: Plan) -> dict[str, Any] | Non
     context = multiprocessing.get_context("fork")
     shares = [list(range(k, plan.nb_episode, plan.workers)) for k in range(plan.workers)]
     loops = []
-    for share in filter(None, shares):
-        receive, send = context.Pipe(duplex=False)
-        loop = context.Process(target=_bare_share, args=(env, agent, plan, share, send))
-        loop.start()
-        send.close()
-        loops.append((loop, receive))
     received: list[dict[str, Any] | None] = []
     try:
+        for share in filter(None, shares):
+            receive, send = context.Pipe(duplex=False)
+            loop = context.Process(target=_bare_share, args=(env, agent, plan, share, send))
+            loops.append((loop, receive))
+            loop.start()
+            send.close()
         for loop, receive in loops:
             try:
                 received.append(receive.recv())
@@ -160,10 +160,12 @@ def bare_loops_at_once(env: Any, agent: Any, plan: Plan) -> dict[str, Any] | Non
                 received.append(None)
             loop.join()
             receive.close()
-    except BaseException:  # (SIGTERM to the bench alone: it waited for the loops to end)
+    except BaseException:  # (SIGTERM to the bench alone: it waited for the loops to end, or
+        # left those started, as they started)
         for loop, _ in loops:
-            loop.kill()
-            loop.join()
+            if loop.pid is not None:
+                loop.kill()
+                loop.join()
         raise
     timings = [timing for timing in received if timing is not None]
     if len(timings) < len(received):

@@ -21,10 +21,11 @@ def console() -> int:
     changes nothing": it raised ``KeyboardInterrupt`` in Python's exit, status -2 for 130), and
     Python's exit does not collect the objects left (the env's, pandas': it took 0.8-1.2 s after
     the last line of every command, 0.07-0.2 s without)."""
-    status = main()
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    gc.freeze()
-    return status
+    try:
+        return main()
+    finally:  # (also after a usage error's SystemExit)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        gc.freeze()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
