@@ -118,6 +118,34 @@ async def test_resume_replays_damaged_episodes(runner: AsyncRunner, tmp_path: Pa
     assert again.indices == []
 
 
+async def test_a_damaged_episode_another_resume_moves_first_plays_again(
+    runner: AsyncRunner, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Two resumes of one folder at once: the one that found a damaged folder gone as it moved
+    # it aside ended with FileNotFoundError and a traceback (sharing hunt: 3 crashes in 13).
+    with anyio.fail_after(TIMEOUT):
+        first = await runner.run(2, path_save=tmp_path, **KWARGS)
+    damaged = Path(first[0].path or "")
+    (damaged / "rewards.npz").write_bytes(b"")
+    makedirs = os.makedirs
+
+    def the_other_resume_first(name: Any, *args: Any, **kwargs: Any) -> None:
+        if str(name).endswith(BROKEN_FOLDER) and damaged.exists():
+            makedirs(name, *args, **kwargs)
+            damaged.rename(Path(name) / "theirs")
+        makedirs(name, *args, **kwargs)
+
+    monkeypatch.setattr(os, "makedirs", the_other_resume_first)
+    started = Started()
+    with anyio.fail_after(TIMEOUT):
+        resumed = await runner.run(
+            2, path_save=tmp_path, resume=True, sinks=[CallbackSink(started)], **KWARGS
+        )
+    assert started.indices == [0]
+    assert [r.as_tuple() for r in resumed] == [r.as_tuple() for r in first]
+    assert sorted(p.name for p in (tmp_path / BROKEN_FOLDER).iterdir()) == ["theirs"]
+
+
 async def test_resume_replays_episodes_whose_record_is_damaged(
     runner: AsyncRunner, tmp_path: Path
 ) -> None:

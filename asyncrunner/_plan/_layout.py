@@ -308,8 +308,9 @@ def suffixed(folder: str, name: str, suffix: str, ending: str = "") -> str:
     return name + suffix
 
 
-def _move_aside(path: str, folder: str) -> str:
-    """Move a damaged episode folder into ``path/.asyncrunner-broken/``; returns where."""
+def _move_aside(path: str, folder: str) -> str | None:
+    """Move a damaged episode folder into ``path/.asyncrunner-broken/``; returns where, or
+    ``None`` when it is gone (another run resuming the same folder moved it first)."""
     broken = os.path.join(path, BROKEN_FOLDER)
     os.makedirs(broken, exist_ok=True)
     name = os.path.basename(folder)
@@ -324,6 +325,8 @@ def _move_aside(path: str, folder: str) -> str:
         except OSError as exc:
             if exc.errno in NAME_TAKEN:
                 continue
+            if exc.errno == errno.ENOENT and not os.path.lexists(folder):
+                return None
             raise
         sync([broken, path])
         return target
@@ -435,9 +438,9 @@ def _intact(
         if problem is None:
             with open(os.path.join(folder, "episode_meta.json"), encoding="utf-8") as f:
                 return folder, record, json.load(f)
-        if not os.path.isdir(folder):
+        aside = None if not os.path.isdir(folder) else _move_aside(path, folder)
+        if aside is None:
             continue  # moved by another run resuming the same folder
-        aside = _move_aside(path, folder)
         warnings.warn(
             f"resume: the saved episode {folder} is damaged ({problem}); it was moved to "
             f"{aside} and the episode plays again (move that folder out before opening "
