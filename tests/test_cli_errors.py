@@ -600,6 +600,30 @@ def test_a_second_run_in_the_same_folder_is_announced_and_shown_apart(
     assert lines[5].startswith("2 episodes, 8 steps") and "2 runs in this folder" in lines[5]
 
 
+def test_show_leaves_out_an_episode_it_cannot_read_and_shows_the_rest(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # One episode_meta.json cut short (a grid2op Runner killed as it wrote it): show printed
+    # "cannot read runs: JSONDecodeError: ..." and nothing else, naming no episode nor file
+    # (sharing hunt).
+    runs = tmp_path / "runs"
+    assert (
+        _main(["run", "-n", "2", "-w", "1", "--max-iter", "3", "--save", str(runs)], capsys)[0] == 0
+    )
+    meta = runs / "0001" / "episode_meta.json"
+    meta.write_text(meta.read_text()[:40])
+    shown = subprocess.run(
+        [_script(), "show", "runs"], cwd=tmp_path, capture_output=True, text=True, timeout=120
+    )
+    assert shown.returncode == 0, shown.stderr
+    assert [line.split()[0] for line in shown.stdout.splitlines()[1:2]] == ["0000"]
+    assert "1 episode, 3 steps" in shown.stdout
+    said = shown.stderr.strip().splitlines()
+    assert len(said) == 1 and said[0].startswith("asyncrunner: UserWarning: "), shown.stderr
+    assert "runs/0001 left out: cannot read it" in said[0]
+    assert "episode_meta.json: " in said[0]
+
+
 # --- item 8: the --plot picture -----------------------------------------------------------------
 
 

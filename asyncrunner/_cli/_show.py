@@ -12,6 +12,7 @@ import argparse
 import json
 import os
 import sys
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -104,48 +105,62 @@ def note_earlier_episodes(save: str, prog: str) -> None:
         )
 
 
-def _read_json(path: Path) -> Any:
-    with path.open() as f:
-        return json.load(f)
-
-
 def read_run(root: Path) -> list[EpisodeSummary]:
     """The summaries of the complete episode folders under ``root`` (``_saved_dirs``), run by
-    run (earliest run first), each run in request order."""
+    run (earliest run first), each run in request order. A folder whose files cannot be read
+    (a grid2op Runner killed as it wrote them) is left out with a warning naming it."""
     out = []
     saved_at: dict[str | None, float] = {}
     for folder in _saved_dirs(root):
-        meta = _read_json(folder / "episode_meta.json")
-        agent_time: float | None = None
-        times_file = folder / "episode_times.json"
-        if times_file.is_file():
-            agent = _read_json(times_file).get("Agent", {})
-            if isinstance(agent, dict) and agent.get("total") is not None:
-                agent_time = float(agent["total"])
-        chronics_path = str(meta.get("chronics_path") or folder.name)
-        record: dict[str, Any] = {}
-        if (folder / _RECORD_FILE).is_file():
-            record = _read_json(folder / _RECORD_FILE)
-        run = record.get("run_id")
-        index = record.get("index")
-        mtime = (folder / "episode_meta.json").stat().st_mtime
-        saved_at[run] = min(saved_at.get(run, mtime), mtime)
-        out.append(
-            EpisodeSummary(
-                folder=folder.relative_to(root).as_posix(),
-                chronic=Path(chronics_path).name,
-                steps=int(meta["nb_timestep_played"]),
-                max_steps=int(meta["chronics_max_timestep"]),
-                cum_reward=float(meta["cumulative_reward"]),
-                agent_time=agent_time,
-                run=None if run is None else str(run),
-                index=index if isinstance(index, int) else None,
+        try:
+            summary, mtime = _summary(root, folder)
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            warnings.warn(
+                f"{folder} left out: cannot read it ({type(exc).__name__}: {exc})", stacklevel=2
             )
-        )
+            continue
+        saved_at[summary.run] = min(saved_at.get(summary.run, mtime), mtime)
+        out.append(summary)
     out.sort(
         key=lambda e: (saved_at[e.run], str(e.run), -1 if e.index is None else e.index, e.folder)
     )
     return out
+
+
+def _summary(root: Path, folder: Path) -> tuple[EpisodeSummary, float]:
+    """The summary of the episode saved in ``folder``, and when it was saved."""
+    meta = _read_json(folder / "episode_meta.json")
+    agent_time: float | None = None
+    times_file = folder / "episode_times.json"
+    if times_file.is_file():
+        agent = _read_json(times_file).get("Agent", {})
+        if isinstance(agent, dict) and agent.get("total") is not None:
+            agent_time = float(agent["total"])
+    chronics_path = str(meta.get("chronics_path") or folder.name)
+    record: dict[str, Any] = {}
+    if (folder / _RECORD_FILE).is_file():
+        record = _read_json(folder / _RECORD_FILE)
+    run = record.get("run_id")
+    index = record.get("index")
+    summary = EpisodeSummary(
+        folder=folder.relative_to(root).as_posix(),
+        chronic=Path(chronics_path).name,
+        steps=int(meta["nb_timestep_played"]),
+        max_steps=int(meta["chronics_max_timestep"]),
+        cum_reward=float(meta["cumulative_reward"]),
+        agent_time=agent_time,
+        run=None if run is None else str(run),
+        index=index if isinstance(index, int) else None,
+    )
+    return summary, (folder / "episode_meta.json").stat().st_mtime
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        with path.open() as f:
+            return json.load(f)
+    except ValueError as exc:
+        raise ValueError(f"{path.name}: {exc}") from exc
 
 
 def _rewards(root: Path, summary: EpisodeSummary) -> np.ndarray:
