@@ -42,6 +42,7 @@ from ._engine._recipe import agent_name, agent_recipe, class_attributes, env_key
 from ._exceptions import AsyncRunnerError, EpisodeError, unwrapped
 from ._model import EpisodeResult, Event, ParsedJson, ReadOnly
 from ._plan._arguments import at_least, check_path_save, chronic_names
+from ._plan._layout import other_spaces
 from ._plan._mixes import mixes_of
 from ._plan._planner import plan_run
 from ._pools._dask import DaskPool, as_dask
@@ -669,6 +670,14 @@ class AsyncRunner(AsyncResource):
         detail = streaming or any(s.needs_steps for s in all_sinks)
         files = tuple(sorted({s.episode_format for s in all_sinks if s.episode_format}))
         spaces, space_files = await self._spaces() if detail or files else ({}, {})
+        if files:  # another env's episodes there: this run's could not be read back
+            mixes = [m for m in self._recipes if m is not None]
+            folders = [f for s in all_sinks if isinstance(s, Writer) for f in s.folders(mixes)]
+            why = await anyio.to_thread.run_sync(
+                lambda: next(filter(None, (other_spaces(f, space_files) for f in folders)), None)
+            )
+            if why is not None:
+                raise ValueError(why)
         settings = RunSettings(
             sinks=all_sinks,
             on_error=on_error,

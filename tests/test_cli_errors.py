@@ -624,6 +624,21 @@ def test_show_leaves_out_an_episode_it_cannot_read_and_shows_the_rest(
     assert "episode_meta.json: " in said[0]
 
 
+def test_a_run_into_another_envs_folder_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Its episodes were saved beside the other env's space files, which grid2op reads them
+    # with: none could be read back (sharing hunt).
+    runs = str(tmp_path / "runs")
+    assert _main(["run", *SMALL, "--save", runs], capsys)[0] == 0
+    other = ["run", "rte_case14_opponent", "--test", *SMALL, "--save", runs]
+    code, _, err, _ = _main(other, capsys)
+    assert code == 2 and "Traceback" not in err
+    assert "asyncrunner run: error: " in err and "Save into another folder" in err
+    assert "describes other spaces than this env's (name_gen," in err
+    assert sorted(p.name for p in Path(runs).iterdir() if p.is_dir()) == ["0000"]
+
+
 # --- item 8: the --plot picture -----------------------------------------------------------------
 
 

@@ -78,6 +78,7 @@ class Started:
 
 
 KWARGS: dict[str, Any] = dict(max_iter=5, env_seeds=[1, 2], agent_seeds=[3, 4], episode_id=[0, 1])
+ONE: dict[str, Any] = dict(max_iter=5, env_seeds=[1], agent_seeds=[3], episode_id=[0])
 
 
 # --- 6. resume checks what it skips ----------------------------------------------------------
@@ -144,6 +145,34 @@ async def test_a_damaged_episode_another_resume_moves_first_plays_again(
     assert started.indices == [0]
     assert [r.as_tuple() for r in resumed] == [r.as_tuple() for r in first]
     assert sorted(p.name for p in (tmp_path / BROKEN_FOLDER).iterdir()) == ["theirs"]
+
+
+async def test_a_folder_of_another_envs_episodes_is_refused_before_playing(
+    runner: AsyncRunner, tmp_path: Path
+) -> None:
+    # The space files already there are kept (as grid2op keeps them) and read back with every
+    # episode of the folder: another env's made this run's episodes unreadable
+    # (EpisodeData.from_disk: "mismatch between what has been stored and what is currently
+    # used"), and the run said nothing (sharing hunt).
+    with anyio.fail_after(TIMEOUT):
+        await runner.run(1, path_save=tmp_path, **ONE)
+    space = tmp_path / "dict_observation_space.json"
+    theirs = json.loads(space.read_text())
+    # Another env's name, grid2op version and class folder only: the same spaces.
+    space.write_text(json.dumps({**theirs, "env_name": "x", "glop_version": "1.12.4"}))
+    started = Started()
+    with anyio.fail_after(TIMEOUT):
+        await runner.run(1, path_save=tmp_path, sinks=[CallbackSink(started)], **ONE)
+    assert started.indices == [0]
+    # Another grid (rte_case14_opponent's has five generators, the sandbox's six).
+    space.write_text(json.dumps({**theirs, "name_gen": theirs["name_gen"][:5]}))
+    started = Started()
+    with pytest.raises(ValueError, match="describes other spaces than this env's") as caught:
+        await runner.run(1, path_save=tmp_path, sinks=[CallbackSink(started)], **ONE)
+    assert "(name_gen differ)" in str(caught.value) and str(space) in str(caught.value)
+    assert started.indices == []
+    saved = await anyio.to_thread.run_sync(lambda: sorted(p.name for p in tmp_path.glob("0*")))
+    assert saved == ["0000", "0000_1"]
 
 
 async def test_resume_replays_episodes_whose_record_is_damaged(

@@ -29,6 +29,7 @@ from ._common import (
     Terminated,
     UsageError,
     add_env_options,
+    as_options,
     at_least,
     one_line,
     parse_max_iter,
@@ -194,6 +195,8 @@ def run_command(args: argparse.Namespace, parser: Parser, argv: list[str]) -> in
             results, elapsed, startup = run_until_stopped(settings.play())
         finally:
             settings.env.close()
+    except ValueError as exc:  # refused before any episode (another env's episodes in --save)
+        parser.error(as_options(str(exc)))
     except KeyboardInterrupt as exc:
         terminated = exc if isinstance(exc, Terminated) else None
         with contextlib.suppress(OSError):  # a terminal hung up: nothing can be written

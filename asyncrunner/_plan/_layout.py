@@ -30,7 +30,15 @@ if sys.platform != "win32":
 
 from .._model import EpisodeRequest, EpisodeResult
 
-__all__ = ["damage", "reset_key", "resume_plan", "saved_episodes", "suffixed", "sync"]
+__all__ = [
+    "damage",
+    "other_spaces",
+    "reset_key",
+    "resume_plan",
+    "saved_episodes",
+    "suffixed",
+    "sync",
+]
 
 # The run-level files grid2op writes once at the top of ``path_save`` (keys of RunStarted.spaces).
 SPACE_FILES = (
@@ -39,6 +47,9 @@ SPACE_FILES = (
     "dict_env_modification_space.json",
     "dict_attack_space.json",
 )
+# What a space file names that is not its spaces: an env of another name or backend, another
+# grid2op version, or a folder of generated classes has the same spaces.
+_NOT_THE_SPACES = frozenset({"env_name", "glop_version", "_PATH_GRID_CLASSES"})
 # Files grid2op's EpisodeData.list_episode requires in an episode folder (EpisodeData.ATTR_EPISODE).
 EPISODE_FILES = (
     "_parameters.json",
@@ -447,4 +458,36 @@ def _intact(
             f"{path} in grid2viz, which takes every folder there for an episode)",
             stacklevel=2,
         )
+    return None
+
+
+def other_spaces(folder: str, space_files: Mapping[str, bytes]) -> str | None:
+    """Why ``folder`` cannot take episodes of ``space_files``' spaces, or ``None``: a space file
+    already there (kept, as grid2op keeps it, and read back with every episode of the folder)
+    that describes other spaces (another env's grid, other classes) in the entries both have."""
+    for name, ours in space_files.items():
+        there = os.path.join(folder, name)
+        try:
+            with open(there, "rb") as f:
+                theirs = json.load(f)
+        except (OSError, ValueError):
+            continue  # none (or one grid2op cannot read either)
+        mine = json.loads(ours)
+        if not isinstance(theirs, dict):
+            continue
+        differ = sorted(  # the elements' names first: the clearest
+            (
+                key
+                for key in mine.keys() & theirs.keys() - _NOT_THE_SPACES
+                if mine[key] != theirs[key]
+            ),
+            key=lambda key: (not key.startswith("name_"), key),
+        )
+        if differ:
+            shown = ", ".join(differ[:4]) + (", ..." if len(differ) > 4 else "")
+            return (
+                f"{there} describes other spaces than this env's ({shown} differ): the episodes "
+                f"saved in {folder} are another env's, and grid2op would read this run's with "
+                "that file and fail. Save into another folder"
+            )
     return None

@@ -219,8 +219,12 @@ class Writer(Sink):
 
     # --- file helpers (run in a worker thread) ----------------------------------------------
 
+    def folders(self, mixes: Sequence[str]) -> list[str]:
+        """Where a run on an env of ``mixes`` (none: not a multimix env) saves its episodes."""
+        return [self._folder(mix) for mix in mixes] or [self._folder(None)]
+
     def _start(self, space_files: Mapping[str, bytes], mixes: Sequence[str]) -> None:
-        folders = [self._folder(mix) for mix in mixes] or [self._folder(None)]
+        folders = self.folders(mixes)
         # (in the mixes' and the episodes' folders too: where older versions worked)
         self._remove_stale(dict.fromkeys([self.path, self._folder(None), *folders]))
         if space_files:
