@@ -502,19 +502,27 @@ async def test_compact_episodes_without_limit_say_the_chronics_length(
 # --- never overwrite ----------------------------------------------------------------------------
 
 
-async def test_a_folder_keeps_the_space_files_of_its_first_run_as_grid2op(
+async def test_another_envs_run_into_a_folder_is_refused_where_grid2op_saves_it_unreadable(
     case14: dict[str, Any], wheel_env: Any, tmp_path: Path
 ) -> None:
-    # grid2op's EpisodeData writes dict_*_space.json only where they are not: another env's run
-    # into the folder keeps them (and so how the first run's episodes load).
+    # grid2op's EpisodeData writes dict_*_space.json only where they are not, and reads every
+    # episode of the folder with them: another env's episodes saved there cannot be read back.
+    # Such a run is refused before it plays; the folder stays as it was.
+    from grid2op.Exceptions import Grid2OpException
+
     other = wheel_env("rte_case14_opponent")
     theirs, ours = tmp_path / "grid2op", tmp_path / "ours"
     for env in (case14["env"], other):
         _grid2op_run(env, DoNothingAgent, theirs, False, nb_episode=1, max_iter=2)
-        async with AsyncRunner(env, agent=DoNothingAgent, workers=1) as runner:
+    with pytest.raises(Grid2OpException, match="mismatch between what has been stored"):
+        EpisodeData.from_disk(str(theirs), "000")  # rte_case14_opponent's, saved second
+    async with AsyncRunner(case14["env"], agent=DoNothingAgent, workers=1) as runner:
+        await runner.run(1, max_iter=2, path_save=ours)
+    first = {name: (ours / name).read_bytes() for name in SPACE_FILES}
+    async with AsyncRunner(other, agent=DoNothingAgent, workers=1) as runner:
+        with pytest.raises(ValueError, match="describes other spaces than this env's"):
             await runner.run(1, max_iter=2, path_save=ours)
-        if env is case14["env"]:
-            first = {name: (ours / name).read_bytes() for name in SPACE_FILES}
+    assert _names(ours) == ["0000"]
     for name in SPACE_FILES:
         assert (ours / name).read_bytes() == first[name]
         assert _json(ours / name) == _json(theirs / name), name
