@@ -430,6 +430,37 @@ async def test_workers_reaped_by_another_stop_cleanly() -> None:
         signal.signal(signal.SIGCHLD, previous)
 
 
+async def test_a_worker_reaped_by_another_is_not_signalled_nor_handed_a_call(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # With SIGCHLD ignored, a worker that died idle (the OOM killer) looked alive (its exit code
+    # unknown): the next call was handed to it and failed as if it had died playing it, and
+    # the pool then stopped and killed its pid, which the kernel had freed at once (another
+    # process's by then on a busy machine), and that pid's descendants.
+    previous = signal.signal(signal.SIGCHLD, signal.SIG_IGN)
+    try:
+        pool = ForkPool(anyio.CapacityLimiter(1))
+        pid = (await pool.call(pid_plus, 1))[0]
+        os.kill(pid, signal.SIGKILL)
+        with anyio.fail_after(10):
+            while alive(pid):  # noqa: ASYNC110
+                await anyio.sleep(0.01)
+        signalled = list[int]()
+        kill = os.kill
+
+        def recorded(target: int, signum: int) -> None:
+            signalled.append(target)
+            kill(target, signum)
+
+        monkeypatch.setattr(os, "kill", recorded)
+        other, value = await pool.call(pid_plus, 2)
+        assert value == 3 and other != pid
+        await pool.aclose()
+        assert pid not in signalled
+    finally:
+        signal.signal(signal.SIGCHLD, previous)
+
+
 async def _cancelled_once_noted(pool: ForkPool, fn: Any, marker: Any) -> list[int]:
     """Call ``fn(marker)`` in ``pool``, cancel the call once it wrote pids there: those."""
     async with anyio.create_task_group() as group:

@@ -23,6 +23,7 @@ import fcntl
 import functools
 import gc
 import multiprocessing
+import multiprocessing.connection
 import multiprocessing.queues
 import multiprocessing.util
 import os
@@ -276,11 +277,20 @@ def _end_children() -> None:
         child.join()
 
 
+def _ended(process: Any) -> bool:
+    """Whether a worker process ended: reaped here (``exitcode`` reaps a dead one), or its
+    sentinel closed, reaped by another (SIGCHLD ignored, a ``waitpid(-1)``: its exit code is
+    never known, and ``is_alive()`` stays true). Either way its pid may be another process's."""
+    if process.exitcode is not None:
+        return True
+    return bool(multiprocessing.connection.wait([process.sentinel], 0))
+
+
 def _kill(process: Any) -> None:
     """Kill a worker process and the processes it started (an agent's, which would outlive it):
-    each stopped first, so that none starts another meanwhile. Not one already reaped
-    (``exitcode`` reaps a dead one): its pid may be another process's now."""
-    if process.exitcode is not None:
+    each stopped first, so that none starts another meanwhile. Not one that ended
+    (``_ended``): its pid may be another process's now."""
+    if _ended(process):
         return
     with contextlib.suppress(OSError):
         os.kill(process.pid, signal.SIGSTOP)
@@ -577,9 +587,9 @@ class ForkPool(WorkerPool):
         dropped here, not handed a call that would fail as if it had died playing it."""
         while self._idle:
             worker = self._idle.pop()
-            if worker.process.is_alive():
+            if not _ended(worker.process):
                 return worker
-            worker.kill()  # already reaped by is_alive(): closes its socket
+            worker.kill()  # already reaped (or ended): closes its socket
         return None
 
     async def stop(self) -> None:
