@@ -24,6 +24,7 @@ import pytest
 
 from asyncrunner._engine import _parsed
 from tests.conftest import make_env
+from tests.helpers import alive
 
 
 def _spy(monkeypatch: pytest.MonkeyPatch, module: Any, name: str) -> list[str]:
@@ -372,6 +373,42 @@ def test_a_helper_stopped_early_or_failing_leaves_nothing_behind(reads: list[str
         stopped.join()  # idempotent
         assert _reaped(pid) and not Path(stopped._folder).exists()
     finally:
+        env.close()
+
+
+def test_a_helper_reaped_by_the_kernel_is_joined_and_not_signalled(
+    reads: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # In a program that ignores SIGCHLD (its children reaped by the kernel), join raised
+    # ChildProcessError (a score failed), and a helper that had ended on its own had its pid,
+    # freed at its end, sent SIGKILL.
+    env = make_env("rte_case14_opponent")
+    previous = signal.signal(signal.SIGCHLD, signal.SIG_IGN)
+    try:
+        ahead = _parsed.ParsedAhead(env, [{"time serie id": 1, "max step": 20}])
+        pid = ahead._pid
+        _finished(ahead, 1)
+        deadline = time.monotonic() + 60
+        while alive(pid):
+            assert time.monotonic() < deadline, "the helper did not end"
+            time.sleep(0.01)
+        signalled = list[int]()
+        kill = os.kill
+
+        def recorded(target: int, signum: int) -> None:
+            signalled.append(target)
+            kill(target, signum)
+
+        monkeypatch.setattr(os, "kill", recorded)
+        ahead.join()
+        assert pid not in signalled and not Path(ahead._folder).exists()
+        assert len(_parsed._parsed) > 0  # what it parsed is kept
+        running = _parsed.ParsedAhead(env, [{"time serie id": i} for i in range(50)])
+        pid = running._pid
+        running.join()  # still parsing: killed, then joined
+        assert pid in signalled and not alive(pid)
+    finally:
+        signal.signal(signal.SIGCHLD, previous)
         env.close()
 
 

@@ -35,6 +35,7 @@ import copy
 import hashlib
 import os
 import pickle
+import select
 import shutil
 import signal
 import sys
@@ -282,6 +283,9 @@ class ParsedAhead:
 
     def __init__(self, env: Any, resets: list[dict[str, Any]]) -> None:
         self._folder = tempfile.mkdtemp(prefix="asyncrunner-parsed-")
+        # The helper holds the write end: the read end reads its end (EOF) even where it was
+        # reaped by the kernel (SIGCHLD ignored), its pid then free for another process.
+        self._ended, held = os.pipe()
         with quiet():
             # (Python >= 3.12 warns when a multi-threaded process forks, as this one runs in a
             # thread: the helper is killed where it stands by ``join``, whatever it waits for.)
@@ -291,6 +295,7 @@ class ParsedAhead:
                 self._parse(env, resets)
             finally:
                 os._exit(0)
+        os.close(held)
 
     def _parse(self, env: Any, resets: list[dict[str, Any]]) -> None:  # pragma: no cover
         with warnings.catch_warnings():
@@ -312,9 +317,12 @@ class ParsedAhead:
         if self._pid <= 0:
             return
         pid, self._pid = self._pid, 0
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-        os.waitpid(pid, 0)
+        if not select.select([self._ended], [], [], 0)[0]:  # still running
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        with contextlib.suppress(ChildProcessError):  # reaped by the kernel (SIGCHLD ignored)
+            os.waitpid(pid, 0)
+        os.close(self._ended)
         try:
             for name in sorted(os.listdir(self._folder)):
                 if not name.endswith(".pickle"):
