@@ -16,6 +16,7 @@ import subprocess
 import threading
 import time
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import anyio
@@ -414,22 +415,39 @@ async def test_a_worker_keeps_this_process_s_datagram_sockets_and_resource_track
         receiver.close()
 
 
+@pytest.fixture
+def sigchld_ignored() -> Iterator[None]:
+    """SIGCHLD ignored during the test: children reaped by the kernel. The workers the test
+    forks stay in multiprocessing's list of children, their exit never known: they are dropped
+    from it at the end, or each later start in this pytest worker polls (``waitpid``) their
+    pids, and would reap whichever child of this process has one by then (pids wrap at 32,768
+    on the CI's machine: a test's subprocess could lose its exit status)."""
+    listed: set[Any] = vars(multiprocessing.process)["_children"]
+    before = set(listed)
+    previous = signal.signal(signal.SIGCHLD, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGCHLD, previous)
+        for process in listed - before:
+            if multiprocessing.connection.wait([process.sentinel], 0):  # it ended
+                listed.discard(process)
+
+
+@pytest.mark.usefixtures("sigchld_ignored")
 async def test_workers_reaped_by_another_stop_cleanly() -> None:
     # A program that ignores SIGCHLD (its children reaped by the kernel), or reaps them with
     # waitpid(-1): a worker's exit code is then unknown, and closing its process raised
     # "Cannot close a process while it is still running" as the pool stopped (compat.Runner
     # lost its results), found by the review.
-    previous = signal.signal(signal.SIGCHLD, signal.SIG_IGN)
-    try:
-        pool = ForkPool(anyio.CapacityLimiter(2))
-        assert (await pool.call(pid_plus, 1))[1] == 2
-        worker = next(iter(pool._idle))
-        await pool.aclose()
-        assert worker.exitcode is None and not alive(worker.pid)
-    finally:
-        signal.signal(signal.SIGCHLD, previous)
+    pool = ForkPool(anyio.CapacityLimiter(2))
+    assert (await pool.call(pid_plus, 1))[1] == 2
+    worker = next(iter(pool._idle))
+    await pool.aclose()
+    assert worker.exitcode is None and not alive(worker.pid)
 
 
+@pytest.mark.usefixtures("sigchld_ignored")
 async def test_a_worker_reaped_by_another_is_not_signalled_nor_handed_a_call(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -437,28 +455,24 @@ async def test_a_worker_reaped_by_another_is_not_signalled_nor_handed_a_call(
     # unknown): the next call was handed to it and failed as if it had died playing it, and
     # the pool then stopped and killed its pid, which the kernel had freed at once (another
     # process's by then on a busy machine), and that pid's descendants.
-    previous = signal.signal(signal.SIGCHLD, signal.SIG_IGN)
-    try:
-        pool = ForkPool(anyio.CapacityLimiter(1))
-        pid = (await pool.call(pid_plus, 1))[0]
-        os.kill(pid, signal.SIGKILL)
-        with anyio.fail_after(10):
-            while alive(pid):  # noqa: ASYNC110
-                await anyio.sleep(0.01)
-        signalled = list[int]()
-        kill = os.kill
+    pool = ForkPool(anyio.CapacityLimiter(1))
+    pid = (await pool.call(pid_plus, 1))[0]
+    os.kill(pid, signal.SIGKILL)
+    with anyio.fail_after(10):
+        while alive(pid):  # noqa: ASYNC110
+            await anyio.sleep(0.01)
+    signalled = list[int]()
+    kill = os.kill
 
-        def recorded(target: int, signum: int) -> None:
-            signalled.append(target)
-            kill(target, signum)
+    def recorded(target: int, signum: int) -> None:
+        signalled.append(target)
+        kill(target, signum)
 
-        monkeypatch.setattr(os, "kill", recorded)
-        other, value = await pool.call(pid_plus, 2)
-        assert value == 3 and other != pid
-        await pool.aclose()
-        assert pid not in signalled
-    finally:
-        signal.signal(signal.SIGCHLD, previous)
+    monkeypatch.setattr(os, "kill", recorded)
+    other, value = await pool.call(pid_plus, 2)
+    assert value == 3 and other != pid
+    await pool.aclose()
+    assert pid not in signalled
 
 
 async def _cancelled_once_noted(pool: ForkPool, fn: Any, marker: Any) -> list[int]:
