@@ -412,6 +412,26 @@ def test_a_helper_reaped_by_the_kernel_is_joined_and_not_signalled(
         env.close()
 
 
+def test_a_helper_is_joined_in_a_process_with_a_thousand_files_open(reads: list[str]) -> None:
+    # A web app's sockets: its descriptors' numbers above 1023, where select() refuses them.
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, 2048)), hard))
+    env = make_env("rte_case14_opponent")
+    held = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100)]
+    try:
+        ahead = _parsed.ParsedAhead(env, [{"time serie id": 1, "max step": 20}])
+        assert ahead._ended > 1023
+        ahead.join()
+        assert not Path(ahead._folder).exists()
+    finally:
+        for fd in held:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        env.close()
+
+
 def test_a_helper_forked_from_a_thread_does_not_warn(reads: list[str]) -> None:
     # As sharing_workers starts it: in a thread. Python >= 3.12 then warns that a
     # multi-threaded process forks (shown by pytest's and Jupyter's default filters); the

@@ -33,9 +33,9 @@ from __future__ import annotations
 import contextlib
 import copy
 import hashlib
+import multiprocessing.connection
 import os
 import pickle
-import select
 import shutil
 import signal
 import sys
@@ -317,7 +317,8 @@ class ParsedAhead:
         if self._pid <= 0:
             return
         pid, self._pid = self._pid, 0
-        if not select.select([self._ended], [], [], 0)[0]:  # still running
+        if not multiprocessing.connection.wait([self._ended], 0):  # still running (a poll:
+            # select() refuses a descriptor number above 1023, as a busy web app has)
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         with contextlib.suppress(ChildProcessError):  # reaped by the kernel (SIGCHLD ignored)
