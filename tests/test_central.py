@@ -22,7 +22,7 @@ from asyncrunner import AsyncRunner, CentralAgent, StepBatch
 from asyncrunner.sinks import CallbackSink
 
 from .conftest import LightSimBackend, make_env
-from .helpers import children, wait_no_children
+from .helpers import children, run_code, wait_no_children
 
 pytestmark = pytest.mark.anyio
 
@@ -533,6 +533,54 @@ async def test_a_worker_dying_mid_group_replays_the_group(env: Any) -> None:
     # The final attempts' steps arrive once each.
     final = [e for e in events if isinstance(e, StepBatch) and e.attempt == 2]
     assert [sum(len(e) for e in final if e.index == i) for i in (0, 1)] == [60, 60]
+
+
+_KILLS_ITS_WORKER = """
+import asyncio, os, signal, warnings
+warnings.filterwarnings("ignore")
+import psutil
+from asyncrunner import AsyncRunner, CentralAgent
+from tests.conftest import make_env
+from tests.helpers import alive
+
+signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # as a program piped to `head` may set it
+
+
+class KillsItsWorker:
+    def __init__(self, space):
+        self.space, self.killed = space, False
+
+    async def act(self, obs, reward, done):
+        if not self.killed:  # the worker dies while its action is computed
+            self.killed = True
+            pids = [p.pid for p in psutil.Process().children()]
+            for pid in pids:
+                os.kill(pid, signal.SIGKILL)
+            while any(alive(pid) for pid in pids):
+                await asyncio.sleep(0.01)
+        return self.space({})
+
+
+async def main():
+    env = make_env()
+    agent = CentralAgent(KillsItsWorker(env.action_space))
+    async with AsyncRunner(env, agent=agent, workers=1) as runner:
+        results = await runner.run(1, max_iter=5)
+    print([(r.nb_time_step, r.error) for r in results])
+
+
+asyncio.run(main())
+"""
+
+
+def test_a_worker_dying_as_its_action_is_computed_does_not_end_a_program_that_sigpipe_kills() -> None:
+    # With SIGPIPE at its default (a program piped to `head`, an interpreter embedded without
+    # Python's signal set-up), the action sent to the dead worker killed the orchestrator by
+    # SIGPIPE: every result lost, no message. The episode is played again, as with SIGPIPE
+    # ignored.
+    done = run_code(_KILLS_ITS_WORKER)
+    assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
+    assert done.stdout.splitlines()[-1] == "[(5, None)]"
 
 
 class Counting:

@@ -53,6 +53,7 @@ import anyio.to_thread
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 __all__ = [
+    "SEND_FLAGS",
     "AgentCall",
     "AsyncSocket",
     "Channel",
@@ -69,6 +70,10 @@ __all__ = [
 ]
 
 _HEADER = struct.Struct("!Q")
+# The flags of every send on a socket: a write to a peer that is gone raises BrokenPipeError,
+# even where SIGPIPE is at its default (a program piped to `head` sets it so, an embedding one
+# never set it), where it would kill this process (the orchestrator, and every result with it).
+SEND_FLAGS = getattr(socket, "MSG_NOSIGNAL", 0)  # (Linux; macOS has no such flag)
 # Frames longer than this are read into a buffer of their own, in as few reads as the socket allows.
 _BIG = 1 << 16
 _HELLO_TIMEOUT = 10.0
@@ -188,7 +193,7 @@ def connect(address: str, token: str) -> Callable[..., None]:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         try:
             sock.connect(address if tcp is None else tcp)
-            sock.sendall(frame(f"{token} {os.getpid()}".encode()))
+            sock.sendall(frame(f"{token} {os.getpid()}".encode()), SEND_FLAGS)
         except OSError as exc:
             sock.close()
             hint = (
@@ -206,7 +211,7 @@ def connect(address: str, token: str) -> Callable[..., None]:
 
     def send(*events: Any) -> None:
         try:
-            sock.sendall(b"".join(frame(pickle.dumps(e, protocol=5)) for e in events))
+            sock.sendall(b"".join(frame(pickle.dumps(e, protocol=5)) for e in events), SEND_FLAGS)
         except OSError as exc:
             _local.connection = None
             sock.close()
@@ -226,7 +231,7 @@ def claim(address: str, token: str, key: str) -> bool:
         assert _local.connection is not None
         sock = _local.connection[1]
         try:
-            sock.sendall(frame(pickle.dumps(_Claim(key), protocol=5)))
+            sock.sendall(frame(pickle.dumps(_Claim(key), protocol=5)), SEND_FLAGS)
             answer = sock.recv(1)
         except OSError as exc:
             answer, error = b"", exc
@@ -281,7 +286,7 @@ def _ask(address: str, token: str, message: Any) -> bytes:
     assert _local.connection is not None
     sock = _local.connection[1]
     try:
-        sock.sendall(frame(pickle.dumps(message, protocol=5)))
+        sock.sendall(frame(pickle.dumps(message, protocol=5)), SEND_FLAGS)
         return receive_frame(sock)
     except OSError as exc:
         _local.connection = None
@@ -501,7 +506,7 @@ class AsyncSocket:
         view = memoryview(data)
         while view:
             try:
-                view = view[self.sock.send(view) :]
+                view = view[self.sock.send(view, SEND_FLAGS) :]
             except BlockingIOError:
                 await anyio.wait_writable(self.sock)
 

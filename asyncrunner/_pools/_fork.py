@@ -49,6 +49,7 @@ import anyio.to_thread
 from anyio import BrokenWorkerProcess
 
 from .._engine._channel import (
+    SEND_FLAGS,
     WORKER_SOCKETS,
     AsyncSocket,
     close_inherited,
@@ -260,7 +261,7 @@ def _answer(sock: socket.socket) -> None:
             error = RuntimeError(f"the worker's reply cannot be sent ({exc})\n{text}")
             data = pickle.dumps(("error", error), protocol=5)
         try:
-            sock.sendall(frame(data))
+            sock.sendall(frame(data), SEND_FLAGS)
         except OSError:  # the parent is gone: nobody to tell
             return
 
