@@ -573,7 +573,7 @@ asyncio.run(main())
 """
 
 
-def test_a_worker_dying_as_its_action_is_computed_does_not_end_a_program_that_sigpipe_kills() -> None:
+def test_with_sigpipe_at_its_default_a_worker_dying_mid_action_ends_no_run() -> None:
     # With SIGPIPE at its default (a program piped to `head`, an interpreter embedded without
     # Python's signal set-up), the action sent to the dead worker killed the orchestrator by
     # SIGPIPE: every result lost, no message. The episode is played again, as with SIGPIPE
