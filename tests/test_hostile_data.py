@@ -29,6 +29,7 @@ import psutil  # type: ignore[import-untyped]
 import pytest
 from grid2op.Agent import BaseAgent, DoNothingAgent, RandomAgent
 from grid2op.Episode import EpisodeData
+from grid2op.Exceptions import Grid2OpException
 from grid2op.Reward import ConstantReward
 from grid2op.Runner import Runner as GridRunner
 
@@ -158,11 +159,27 @@ async def test_a_folder_of_another_envs_episodes_is_refused_before_playing(
         await runner.run(1, path_save=tmp_path, **ONE)
     space = tmp_path / "dict_observation_space.json"
     theirs = json.loads(space.read_text())
-    # Another env's name, grid2op version and class folder only: the same spaces.
-    space.write_text(json.dumps({**theirs, "env_name": "x", "glop_version": "1.12.4"}))
+    # Another env's name, class folder, or a later grid2op version: read the same way.
+    space.write_text(json.dumps({**theirs, "env_name": "x", "glop_version": "1.12.99"}))
     started = Started()
     with anyio.fail_after(TIMEOUT):
         await runner.run(1, path_save=tmp_path, sinks=[CallbackSink(started)], **ONE)
+    assert started.indices == [0]
+    # An earlier grid2op's (its space files otherwise the same, as grid2op 1.12.4's Runner
+    # writes them for this env): grid2op reads the folder's episodes with that version's
+    # observation vector, without what later versions added, and this run's failed to load.
+    space.write_text(json.dumps({**theirs, "glop_version": "1.10.0"}))
+
+    def load() -> None:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # (grid2op's "compatibility feature" warning)
+            EpisodeData.from_disk(str(tmp_path), "0000_1")
+
+    with pytest.raises(Grid2OpException, match="mismatch between what has been stored"):
+        await anyio.to_thread.run_sync(load)
+    with pytest.raises(ValueError, match=r"was written by grid2op 1\.10\.0") as caught:
+        await runner.run(1, path_save=tmp_path, sinks=[CallbackSink(started)], **ONE)
+    assert "values per observation" in str(caught.value) and str(space) in str(caught.value)
     assert started.indices == [0]
     # Another grid (rte_case14_opponent's has five generators, the sandbox's six).
     space.write_text(json.dumps({**theirs, "name_gen": theirs["name_gen"][:5]}))

@@ -47,8 +47,8 @@ SPACE_FILES = (
     "dict_env_modification_space.json",
     "dict_attack_space.json",
 )
-# What a space file names that is not its spaces: an env of another name or backend, another
-# grid2op version, or a folder of generated classes has the same spaces.
+# What a space file names that is not its spaces: an env of another name or backend, or a
+# folder of generated classes, has the same spaces (another grid2op version: see other_spaces).
 _NOT_THE_SPACES = frozenset({"env_name", "glop_version", "_PATH_GRID_CLASSES"})
 # Files grid2op's EpisodeData.list_episode requires in an episode folder (EpisodeData.ATTR_EPISODE).
 EPISODE_FILES = (
@@ -464,7 +464,8 @@ def _intact(
 def other_spaces(folder: str, space_files: Mapping[str, bytes]) -> str | None:
     """Why ``folder`` cannot take episodes of ``space_files``' spaces, or ``None``: a space file
     already there (kept, as grid2op keeps it, and read back with every episode of the folder)
-    that describes other spaces (another env's grid, other classes) in the entries both have."""
+    that describes other spaces (another env's grid, other classes) in the entries both have,
+    or that another grid2op version wrote, whose vectors grid2op reads another way."""
     for name, ours in space_files.items():
         there = os.path.join(folder, name)
         try:
@@ -490,4 +491,41 @@ def other_spaces(folder: str, space_files: Mapping[str, bytes]) -> str | None:
                 f"saved in {folder} are another env's, and grid2op would read this run's with "
                 "that file and fail. Save into another folder"
             )
+        version = theirs.get("glop_version")
+        if version != mine.get("glop_version"):
+            try:
+                read, written = _vectors(name, theirs), _vectors(name, mine)
+            except Exception:  # one grid2op cannot read either
+                continue
+            if read != written:
+                return (
+                    f"{there} was written by grid2op {version}: grid2op reads every episode "
+                    f"saved in {folder} as that version wrote them ({read[0]} values per "
+                    f"{_VECTOR_OF[name]}), and this run's ({written[0]}, grid2op "
+                    f"{mine.get('glop_version')}) would fail to load. Save into another folder, "
+                    f"or run with grid2op {version}"
+                )
     return None
+
+
+# What each space file's vectors are, in grid2op's EpisodeData.
+_VECTOR_OF = {
+    "dict_observation_space.json": "observation",
+    "dict_action_space.json": "action",
+    "dict_attack_space.json": "attack",
+    "dict_env_modification_space.json": "env modification",
+}
+
+
+def _vectors(name: str, space: dict[str, Any]) -> tuple[int, list[str]]:
+    """The size and attributes of the vectors grid2op's ``EpisodeData.from_disk`` reads with
+    the space file ``name`` of contents ``space``: they depend on the grid2op version that wrote
+    it (its ``glop_version``; 1.12.6 added the voltage angles to the observation vector)."""
+    from grid2op.Action import ActionSpace
+    from grid2op.Observation import ObservationSpace
+
+    kind = ObservationSpace if name == "dict_observation_space.json" else ActionSpace
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        built = kind.from_dict(json.loads(json.dumps(space)))  # (a copy: it may change it)
+    return built.n, list(built.subtype.attr_list_vect)
