@@ -129,6 +129,19 @@ def alive(pid: int) -> bool:
         return False
 
 
+def signalled(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The pids ``os.kill`` signals from now on (each signal still sent), in order."""
+    pids: list[int] = []
+    kill = os.kill
+
+    def recorded(pid: int, signum: int) -> None:
+        pids.append(pid)
+        kill(pid, signum)
+
+    monkeypatch.setattr(os, "kill", recorded)
+    return pids
+
+
 def children() -> set[int]:
     """Pids of this process's live children (zombies excluded)."""
     me = os.getpid()

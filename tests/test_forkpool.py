@@ -28,7 +28,7 @@ from asyncrunner._engine._envs import exclusive
 from asyncrunner._pools import _fork
 from asyncrunner._pools._fork import ForkPool, _kill
 
-from .helpers import BOTH_LOOPS, alive, run_code
+from .helpers import BOTH_LOOPS, alive, run_code, signalled
 
 pytestmark = [pytest.mark.anyio, BOTH_LOOPS]
 
@@ -461,18 +461,11 @@ async def test_a_worker_reaped_by_another_is_not_signalled_nor_handed_a_call(
     with anyio.fail_after(10):
         while alive(pid):  # noqa: ASYNC110
             await anyio.sleep(0.01)
-    signalled = list[int]()
-    kill = os.kill
-
-    def recorded(target: int, signum: int) -> None:
-        signalled.append(target)
-        kill(target, signum)
-
-    monkeypatch.setattr(os, "kill", recorded)
+    killed = signalled(monkeypatch)
     other, value = await pool.call(pid_plus, 2)
     assert value == 3 and other != pid
     await pool.aclose()
-    assert pid not in signalled
+    assert pid not in killed
 
 
 async def _cancelled_once_noted(pool: ForkPool, fn: Any, marker: Any) -> list[int]:

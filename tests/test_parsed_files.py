@@ -24,7 +24,7 @@ import pytest
 
 from asyncrunner._engine import _parsed
 from tests.conftest import make_env
-from tests.helpers import alive
+from tests.helpers import alive, signalled
 
 
 def _spy(monkeypatch: pytest.MonkeyPatch, module: Any, name: str) -> list[str]:
@@ -392,21 +392,14 @@ def test_a_helper_reaped_by_the_kernel_is_joined_and_not_signalled(
         while alive(pid):
             assert time.monotonic() < deadline, "the helper did not end"
             time.sleep(0.01)
-        signalled = list[int]()
-        kill = os.kill
-
-        def recorded(target: int, signum: int) -> None:
-            signalled.append(target)
-            kill(target, signum)
-
-        monkeypatch.setattr(os, "kill", recorded)
+        killed = signalled(monkeypatch)
         ahead.join()
-        assert pid not in signalled and not Path(ahead._folder).exists()
+        assert pid not in killed and not Path(ahead._folder).exists()
         assert len(_parsed._parsed) > 0  # what it parsed is kept
         running = _parsed.ParsedAhead(env, [{"time serie id": i} for i in range(50)])
         pid = running._pid
         running.join()  # still parsing: killed, then joined
-        assert pid in signalled and not alive(pid)
+        assert pid in killed and not alive(pid)
     finally:
         signal.signal(signal.SIGCHLD, previous)
         env.close()
