@@ -29,6 +29,7 @@ if sys.platform != "win32":
     import resource
 
 from .._model import EpisodeRequest, EpisodeResult
+from .._quiet import quiet
 
 __all__ = [
     "damage",
@@ -525,7 +526,6 @@ def _vectors(name: str, space: dict[str, Any]) -> tuple[int, list[str]]:
     from grid2op.Observation import ObservationSpace
 
     kind = ObservationSpace if name == "dict_observation_space.json" else ActionSpace
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
+    with quiet():  # (in a thread of the run's: not the program's filters)
         built = kind.from_dict(json.loads(json.dumps(space)))  # (a copy: it may change it)
     return built.n, list(built.subtype.attr_list_vect)
