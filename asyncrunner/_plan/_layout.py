@@ -494,6 +494,13 @@ def other_spaces(folder: str, space_files: Mapping[str, bytes]) -> str | None:
             )
         version = theirs.get("glop_version")
         if version != mine.get("glop_version"):
+            if _later(version, mine.get("glop_version")):
+                return (
+                    f"{there} was written by grid2op {version}, later than this run's "
+                    f"({mine.get('glop_version')}), which cannot tell how that version reads the "
+                    f"episodes saved in {folder}: it may not read this run's. Save into another "
+                    f"folder, or run with grid2op {version}"
+                )
             try:
                 read, written = _vectors(name, theirs), _vectors(name, mine)
             except Exception:  # one grid2op cannot read either
@@ -507,6 +514,16 @@ def other_spaces(folder: str, space_files: Mapping[str, bytes]) -> str | None:
                     f"or run with grid2op {version}"
                 )
     return None
+
+
+def _later(version: Any, than: Any) -> bool:
+    """Whether grid2op ``version`` is later than ``than`` (``False`` where either is no version)."""
+    from packaging.version import InvalidVersion, Version
+
+    try:
+        return Version(str(version)) > Version(str(than))
+    except InvalidVersion:
+        return False
 
 
 # What each space file's vectors are, in grid2op's EpisodeData.
