@@ -159,8 +159,10 @@ async def test_a_folder_of_another_envs_episodes_is_refused_before_playing(
         await runner.run(1, path_save=tmp_path, **ONE)
     space = tmp_path / "dict_observation_space.json"
     theirs = json.loads(space.read_text())
-    # Another env's name or class folder: read the same way.
-    space.write_text(json.dumps({**theirs, "env_name": "x"}))
+    # Another env's name or class folder, or a grid2op version whose vectors are this one's (here
+    # this version, written otherwise): read the same way.
+    same = theirs["glop_version"] + ".0"
+    space.write_text(json.dumps({**theirs, "env_name": "x", "glop_version": same}))
     started = Started()
     with anyio.fail_after(TIMEOUT):
         await runner.run(1, path_save=tmp_path, sinks=[CallbackSink(started)], **ONE)
